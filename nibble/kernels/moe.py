@@ -1,0 +1,77 @@
+"""Mixture-of-experts: softmax top-k routing and the expert computation (gate_up -> SiLU*up -> down,
+weighted by the routing weights and summed over the top-k)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nibble.formats.nvfp4 import NVFP4Tensor
+
+
+@dataclass
+class MoEWeights:
+    """Stacked routed experts.
+
+    w13: gate and up projections stacked on the output dim, [E, 2I, H] (bf16/fp32, or NVFP4);
+    w2: down projection [E, H, I]. Both are either dense tensors or NVFP4Tensor.
+    """
+
+    w13: torch.Tensor | NVFP4Tensor
+    w2: torch.Tensor | NVFP4Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.w2.shape[-1])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.w2.shape[1])
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.w13, NVFP4Tensor)
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense (w13 [2I, H], w2 [H, I]) of expert e in `dtype`."""
+        if isinstance(self.w13, NVFP4Tensor):
+            assert isinstance(self.w2, NVFP4Tensor)
+            return self.w13.select(e).dequantize(dtype), self.w2.select(e).dequantize(dtype)
+        assert isinstance(self.w2, torch.Tensor)
+        return self.w13[e].to(dtype), self.w2[e].to(dtype)
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); softmax in fp32,
+    top-k, optional renormalisation of the k weights to sum 1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  experts: MoEWeights) -> torch.Tensor:
+    """x: [T, H]; topk_weights: fp32 [T, k]; topk_ids: int32 [T, k] -> [T, H] in x's dtype.
+
+    out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+    """
+    inter = experts.intermediate_size
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        w13, w2 = experts.expert(e, x.dtype)
+        h = F.linear(x[tok], w13)
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(a, w2)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)

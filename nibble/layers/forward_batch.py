@@ -1,0 +1,185 @@
+"""What one model step needs to know about its batch, and the caches it reads and writes.
+
+Tokens of all sequences are flattened into one dimension (varlen, as in vLLM/SGLang): sequence `i` owns
+tokens `cu_seqlens_q[i]:cu_seqlens_q[i+1]`. A decode step is the case where every query length is 1.
+
+Full-attention layers keep K/V in a paged cache: token `t` is written to slot `slot_mapping[t]`
+(= block_id * block_size + offset, -1 for padding that must not be written), and sequence `i` reads its
+context through `block_table[i]`. Gated DeltaNet layers keep one conv state and one recurrent state per
+sequence in a slot pool, addressed by `state_slots[i]`; the engine zeroes a slot before a sequence's first
+step, so kernels always start from the slot's contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One step's batch.
+
+    input_ids: int64 [num_tokens]; positions: int64 [num_tokens];
+    cu_seqlens_q: int32 [num_seqs + 1]; seq_lens: int32 [num_seqs] (context incl. this step's tokens);
+    block_table: int32 [num_seqs, max_num_blocks_per_seq]; slot_mapping: int64 [num_tokens];
+    state_slots: int32 [num_seqs]; logits_indices: int64 [num_seqs] (last token of each sequence).
+    max_query_len / max_seq_len are host ints so kernels can pick launch shapes without a device sync.
+    `cu_seqlens_q_cpu` and `seq_lens_cpu` are host copies for the same reason (fla's varlen chunking).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    cu_seqlens_q_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, seqs_token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
+              state_slots: list[int], block_size: int, device: torch.device | str = "cpu",
+              max_num_blocks: int | None = None) -> ForwardBatch:
+        """Host-side construction from per-sequence lists.
+
+        seqs_token_ids[i]: the tokens sequence i feeds this step; context_lens[i]: tokens already cached
+        for it; block_tables[i]: its physical block ids (enough for context + new tokens).
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        for toks, ctx, blocks in zip(seqs_token_ids, context_lens, block_tables, strict=True):
+            n = len(toks)
+            if n == 0:
+                raise ValueError("every sequence in a batch needs at least one token")
+            input_ids.extend(toks)
+            for p in range(ctx, ctx + n):
+                positions.append(p)
+                slot_mapping.append(blocks[p // block_size] * block_size + p % block_size)
+            cu.append(cu[-1] + n)
+            seq_lens.append(ctx + n)
+        width = max_num_blocks or max((len(b) for b in block_tables), default=1) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, b in enumerate(block_tables):
+            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        logits_indices = [c - 1 for c in cu[1:]]
+
+        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            cu_seqlens_q=t(cu, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_table=table.to(device),
+            slot_mapping=t(slot_mapping, torch.int64),
+            state_slots=t(state_slots, torch.int32),
+            logits_indices=t(logits_indices, torch.int64),
+            max_query_len=max(len(s) for s in seqs_token_ids),
+            max_seq_len=max(seq_lens),
+            cu_seqlens_q_cpu=cu,
+            seq_lens_cpu=seq_lens,
+        )
+
+
+@dataclass
+class KVCache:
+    """Paged K/V of one full-attention layer.
+
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype or float8_e4m3fn.
+    k_scale / v_scale: dequantization scales of an FP8 cache (1.0 otherwise).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[1])
+
+
+@dataclass
+class GDNState:
+    """Per-sequence state of one Gated DeltaNet layer, in a slot pool.
+
+    conv: [num_slots, conv_kernel - 1, conv_dim] (model dtype; channels contiguous so a decode step
+    reads them coalesced); ssm: fp32 [num_slots, num_v_heads,
+    key_head_dim, value_head_dim].
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@dataclass
+class ModelCaches:
+    """Caches of every layer, indexed by layer id (None where the layer has no such cache)."""
+
+    kv: list[KVCache | None]
+    gdn: list[GDNState | None]
+
+    def reset_state_slots(self, slots: list[int] | torch.Tensor) -> None:
+        """Zero the GDN states of freshly assigned slots."""
+        if isinstance(slots, list):
+            if not slots:
+                return
+            slots = torch.tensor(slots, dtype=torch.long)
+        for st in self.gdn:
+            if st is None:
+                continue
+            idx = slots.to(st.conv.device, torch.long)
+            st.conv.index_fill_(0, idx, 0)
+            st.ssm.index_fill_(0, idx, 0)
+
+    @classmethod
+    def allocate(cls, config: object, num_blocks: int, block_size: int, num_state_slots: int,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device | str,
+                 num_kv_heads: int | None = None, num_v_heads: int | None = None,
+                 conv_dim: int | None = None) -> ModelCaches:
+        """Allocate caches for a `ModelConfig`; the `num_*`/`conv_dim` overrides give a tensor-parallel
+        rank's share of heads."""
+        from nibble.models.config import FULL_ATTENTION, ModelConfig
+
+        assert isinstance(config, ModelConfig)
+        kvh = num_kv_heads or config.num_key_value_heads
+        vh = num_v_heads or config.linear_num_value_heads
+        cd = conv_dim or config.linear_conv_dim
+        kv: list[KVCache | None] = []
+        gdn: list[GDNState | None] = []
+        for t in config.layer_types:
+            if t == FULL_ATTENTION:
+                shape = (num_blocks, block_size, kvh, config.head_dim)
+                kv.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),
+                                  torch.zeros(shape, dtype=kv_dtype, device=device)))
+                gdn.append(None)
+            else:
+                kv.append(None)
+                conv = torch.zeros((num_state_slots, config.linear_conv_kernel_dim - 1, cd),
+                                   dtype=dtype, device=device)
+                ssm = torch.zeros((num_state_slots, vh, config.linear_key_head_dim,
+                                   config.linear_value_head_dim), dtype=torch.float32, device=device)
+                gdn.append(GDNState(conv, ssm))
+        return cls(kv=kv, gdn=gdn)
