@@ -1,0 +1,208 @@
+"""Per-request timings and the aggregate serving metrics computed from them.
+
+Definitions follow the convention of `vllm bench serve`: TTFT is the time to the first content chunk,
+TPOT is (latency - TTFT) / (output tokens - 1) per request, ITL is every gap between consecutive content
+chunks pooled over all requests, E2E is the whole request. Aggregates cover successful requests only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# Failed requests whose messages the summary keeps; the rest are only counted.
+_NUM_ERRORS_KEPT = 5
+
+
+@dataclass
+class RequestOutput:
+    """What one streamed request produced; times are in seconds (time.perf_counter based)."""
+
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start_time: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Summary of one latency quantity, in milliseconds."""
+
+    mean: float
+    median: float
+    std: float
+    percentiles: dict[str, float]
+
+    @classmethod
+    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> Distribution:
+        """Summarise `values_s` (seconds); an empty sequence gives zeros so failed runs still print."""
+        v = np.asarray(values_s, dtype=np.float64) * 1000.0
+        if v.size == 0:
+            return cls(0.0, 0.0, 0.0, {_pct_key(p): 0.0 for p in percentiles})
+        return cls(
+            mean=float(v.mean()),
+            median=float(np.median(v)),
+            std=float(v.std()),
+            percentiles={_pct_key(p): float(np.percentile(v, p)) for p in percentiles},
+        )
+
+
+def _pct_key(p: float) -> str:
+    """`p99`, `p99.9`: integral percentiles without a trailing `.0`."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+
+
+@dataclass(frozen=True)
+class BenchMetrics:
+    """Aggregate metrics of one benchmark pass."""
+
+    num_completed: int
+    num_failed: int
+    errors: list[str]
+    duration: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    max_concurrency: int | None
+    peak_concurrent_requests: int
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2el: Distribution
+
+    def to_flat_dict(self) -> dict[str, float | int | list[str] | None]:
+        """Flat keys in the style of vLLM's result JSON (`mean_ttft_ms`, `p99_itl_ms`, ...)."""
+        out: dict[str, float | int | list[str] | None] = {
+            "completed": self.num_completed,
+            "failed": self.num_failed,
+            "errors": list(self.errors),
+            "duration": self.duration,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
+            "max_concurrency": self.max_concurrency,
+            "peak_concurrent_requests": self.peak_concurrent_requests,
+        }
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            dist: Distribution = getattr(self, name)
+            out[f"mean_{name}_ms"] = dist.mean
+            out[f"median_{name}_ms"] = dist.median
+            out[f"std_{name}_ms"] = dist.std
+            for key, value in dist.percentiles.items():
+                out[f"{key}_{name}_ms"] = value
+        return out
+
+    def to_dict(self) -> dict:
+        """Nested form (distributions as sub-dicts)."""
+        return asdict(self)
+
+
+def compute_metrics(
+    outputs: Sequence[RequestOutput],
+    duration: float,
+    percentiles: Sequence[float],
+    max_concurrency: int | None = None,
+    peak_concurrent_requests: int = 0,
+) -> BenchMetrics:
+    """Aggregate per-request outputs of a pass that took `duration` seconds of wall time."""
+    ok = [o for o in outputs if o.success]
+    failed = [o for o in outputs if not o.success]
+    total_in = sum(o.prompt_len for o in ok)
+    total_out = sum(o.output_tokens for o in ok)
+    # A request with one output token has no decode phase, so it has no TPOT.
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    itls = [gap for o in ok for gap in o.itl]
+    safe_duration = duration if duration > 0 else float("inf")
+    return BenchMetrics(
+        num_completed=len(ok),
+        num_failed=len(failed),
+        errors=[o.error for o in failed[:_NUM_ERRORS_KEPT]],
+        duration=duration,
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        request_throughput=len(ok) / safe_duration,
+        output_throughput=total_out / safe_duration,
+        total_token_throughput=(total_in + total_out) / safe_duration,
+        max_concurrency=max_concurrency,
+        peak_concurrent_requests=peak_concurrent_requests,
+        ttft=Distribution.of([o.ttft for o in ok], percentiles),
+        tpot=Distribution.of(tpots, percentiles),
+        itl=Distribution.of(itls, percentiles),
+        e2el=Distribution.of([o.latency for o in ok], percentiles),
+    )
+
+
+_WIDTH = 50
+_LABEL_WIDTH = 40
+_SECTIONS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
+
+
+def _row(label: str, value: float | int | str) -> str:
+    text = f"{value:.2f}" if isinstance(value, float) else str(value)
+    return f"{label:<{_LABEL_WIDTH}}{text:>{_WIDTH - _LABEL_WIDTH}}"
+
+
+def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result") -> str:
+    """The result table printed after a pass, laid out like vLLM's so the numbers read the same way."""
+    lines = [f" {title} ".center(_WIDTH, "=")]
+    lines.append(_row("Successful requests:", m.num_completed))
+    lines.append(_row("Failed requests:", m.num_failed))
+    if m.max_concurrency is not None:
+        lines.append(_row("Maximum request concurrency:", m.max_concurrency))
+    lines += [
+        _row("Peak concurrent requests:", m.peak_concurrent_requests),
+        _row("Benchmark duration (s):", m.duration),
+        _row("Total input tokens:", m.total_input_tokens),
+        _row("Total generated tokens:", m.total_output_tokens),
+        _row("Request throughput (req/s):", m.request_throughput),
+        _row("Output token throughput (tok/s):", m.output_throughput),
+        _row("Total token throughput (tok/s):", m.total_token_throughput),
+    ]
+    for name, short, heading in _SECTIONS:
+        dist: Distribution = getattr(m, name)
+        lines.append(f" {heading} ".center(_WIDTH, "-"))
+        lines.append(_row(f"Mean {short} (ms):", dist.mean))
+        lines.append(_row(f"Median {short} (ms):", dist.median))
+        lines.append(_row(f"Std {short} (ms):", dist.std))
+        for key, value in dist.percentiles.items():
+            if key != "p50":  # the median row already shows it
+                lines.append(_row(f"{key.upper()} {short} (ms):", value))
+    if m.errors:
+        lines.append(" First errors ".center(_WIDTH, "-"))
+        lines += [f"  {e}" for e in m.errors]
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+def format_sweep(results: Sequence[tuple[int, BenchMetrics]]) -> str:
+    """One line per concurrency level: throughput and median/p99 latencies side by side."""
+    header = (
+        f"{'conc':>6} {'ok':>6} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} "
+        f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL p99':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for concurrency, m in results:
+        lines.append(
+            f"{concurrency:>6} {m.num_completed:>6} {m.num_failed:>5} {m.request_throughput:>8.2f} "
+            f"{m.output_throughput:>10.1f} {m.total_token_throughput:>10.1f} "
+            f"{m.ttft.median:>9.1f} {m.ttft.percentiles.get('p99', m.ttft.median):>9.1f} "
+            f"{m.tpot.median:>9.2f} {m.tpot.percentiles.get('p99', m.tpot.median):>9.2f} "
+            f"{m.itl.percentiles.get('p99', m.itl.median):>9.2f}"
+        )
+    lines.append("(latencies in ms)")
+    return "\n".join(lines)

@@ -1,0 +1,344 @@
+"""The engine of `nibble bench serve`: load generation against any OpenAI-compatible server.
+
+It follows the convention of `vllm bench serve` / `sglang.bench_serving`: a random dataset of fixed-length
+prompts, requests streamed with `ignore_eos` so every request generates exactly its output budget, load
+shaped by a concurrency cap and/or a Poisson arrival rate, and a report of throughput, TTFT, TPOT, ITL and
+end-to-end latency. `nibble.bench.serve` re-exports the public API next to the CLI glue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from nibble.bench.backends import (
+    BACKEND_ENDPOINTS,
+    RequestSettings,
+    ServerError,
+    fetch_first_model,
+    join_url,
+    send_request,
+)
+from nibble.bench.datasets import SampleRequest, load_tokenizer, sample_random_requests
+from nibble.bench.metrics import BenchMetrics, RequestOutput, compute_metrics
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (bad configuration, server unreachable or refusing requests)."""
+
+
+@dataclass
+class BenchServeConfig:
+    """Settings of one benchmark pass (or of every pass of a concurrency sweep)."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    backend: str = "openai"
+    endpoint: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    tokenizer: str | None = None
+    dataset_name: str = "random"
+    num_prompts: int = 1000
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    prompt_token_ids: bool = False
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: int | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    num_warmups: int = 0
+    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    request_timeout_s: float = 6 * 3600.0
+    disable_tqdm: bool = False
+
+    @property
+    def url(self) -> str:
+        """The URL requests are posted to."""
+        return join_url(self.base_url, self.endpoint or BACKEND_ENDPOINTS[self.backend])
+
+    def validate(self) -> None:
+        """Raise `BenchError` for settings that cannot work, before anything is sent."""
+        problems = []
+        if self.backend not in BACKEND_ENDPOINTS:
+            problems.append(f"unknown backend {self.backend!r} (choose from {', '.join(BACKEND_ENDPOINTS)})")
+        if self.dataset_name != "random":
+            problems.append(f"unknown dataset {self.dataset_name!r} (only 'random' exists)")
+        if self.prompt_token_ids and self.backend == "openai-chat":
+            problems.append("prompts as token ids need the completions API (--backend openai)")
+        if self.num_prompts < 1:
+            problems.append(f"number of prompts must be >= 1, got {self.num_prompts}")
+        if self.random_input_len < 1 or self.random_output_len < 1:
+            problems.append("random input and output lengths must be >= 1")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            problems.append(f"random range ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            problems.append(f"max concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.request_rate > 0:
+            problems.append(f"request rate must be > 0 (inf for no pacing), got {self.request_rate}")
+        if not self.burstiness > 0:
+            problems.append(f"burstiness must be > 0, got {self.burstiness}")
+        if self.num_warmups < 0:
+            problems.append(f"number of warm-ups must be >= 0, got {self.num_warmups}")
+        if any(not 0 < p <= 100 for p in self.percentiles):
+            problems.append(f"percentiles must be in (0, 100], got {list(self.percentiles)}")
+        if not self.request_timeout_s > 0:
+            problems.append(f"request timeout must be > 0, got {self.request_timeout_s}")
+        if problems:
+            raise BenchError("; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe settings for the result file; the API key is never written out."""
+        d = dataclasses.asdict(self)
+        d["api_key"] = "***" if self.api_key else None
+        d["url"] = self.url
+        d["percentiles"] = list(self.percentiles)
+        if math.isinf(self.request_rate):
+            d["request_rate"] = "inf"
+        return d
+
+
+@dataclass
+class BenchResult:
+    """One finished pass: resolved settings, aggregate metrics and every request's output."""
+
+    config: BenchServeConfig
+    model: str
+    metrics: BenchMetrics
+    outputs: list[RequestOutput]
+    date: str = field(default_factory=lambda: datetime.now().isoformat(timespec="seconds"))
+
+    def to_dict(self, detailed: bool = False) -> dict[str, Any]:
+        """The result JSON: settings, vLLM-style flat metrics and, if `detailed`, per-request arrays."""
+        d: dict[str, Any] = {
+            "date": self.date,
+            "backend": self.config.backend,
+            "model_id": self.model,
+            "num_prompts": len(self.outputs),
+            "config": self.config.to_dict(),
+            **self.metrics.to_flat_dict(),
+        }
+        if detailed:
+            d["input_lens"] = [o.prompt_len for o in self.outputs]
+            d["output_lens"] = [o.output_tokens for o in self.outputs]
+            d["ttfts"] = [o.ttft for o in self.outputs]
+            d["latencies"] = [o.latency for o in self.outputs]
+            d["itls"] = [o.itl for o in self.outputs]
+            d["start_times"] = [o.start_time for o in self.outputs]
+            d["request_errors"] = [o.error for o in self.outputs]
+        return d
+
+
+def _load_tokenizer(cfg: BenchServeConfig) -> Tokenizer:
+    if not cfg.tokenizer:
+        raise BenchError("the random dataset needs a tokenizer: pass --tokenizer or --model-path")
+    try:
+        return load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+
+
+def build_requests(
+    cfg: BenchServeConfig, num_prompts: int | None = None, tokenizer: Tokenizer | None = None
+) -> list[SampleRequest]:
+    """The dataset `cfg` describes (`num_prompts` overrides its count; `tokenizer` saves reloading it)."""
+    try:
+        return sample_random_requests(
+            tokenizer or _load_tokenizer(cfg),
+            num_prompts=num_prompts or cfg.num_prompts,
+            input_len=cfg.random_input_len,
+            output_len=cfg.random_output_len,
+            range_ratio=cfg.random_range_ratio,
+            seed=cfg.seed,
+            as_token_ids=cfg.prompt_token_ids,
+        )
+    except ValueError as e:
+        raise BenchError(str(e)) from e
+
+
+async def _arrivals(
+    requests: Sequence[SampleRequest], rate: float, burstiness: float, seed: int
+) -> AsyncIterator[SampleRequest]:
+    """Yield requests at gamma-distributed intervals (burstiness 1 = Poisson) with mean 1/rate.
+
+    Arrival times are absolute offsets from the start so that slow event-loop wake-ups do not
+    accumulate into a lower rate than asked for.
+    """
+    if math.isinf(rate):
+        for req in requests:
+            yield req
+        return
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=len(requests))
+    # The first request goes out at once; the gaps separate the following ones.
+    offsets = np.concatenate(([0.0], np.cumsum(gaps[:-1])))
+    start = time.perf_counter()
+    for req, offset in zip(requests, offsets.tolist()):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield req
+
+
+class _Session:
+    """A connection pool plus the resolved request settings, shared by the passes of one invocation."""
+
+    def __init__(self, cfg: BenchServeConfig) -> None:
+        self.cfg = cfg
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+        # limit=0: the pool must never become a hidden concurrency cap below --max-concurrency.
+        self.http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.settings: RequestSettings | None = None
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    async def connect(self, probe: SampleRequest) -> RequestSettings:
+        """Resolve the model and send one short request, so that a dead server or a refused request
+        stops the run with the server's reason instead of a table of failures."""
+        cfg = self.cfg
+        try:
+            model = cfg.model or await fetch_first_model(self.http, cfg.base_url, cfg.api_key)
+        except ServerError as e:
+            raise BenchError(str(e)) from e
+        self.settings = RequestSettings(
+            backend=cfg.backend,
+            url=cfg.url,
+            model=model,
+            api_key=cfg.api_key,
+            ignore_eos=cfg.ignore_eos,
+            temperature=cfg.temperature,
+            extra_body=dict(cfg.extra_body),
+        )
+        short = dataclasses.replace(probe, output_len=min(probe.output_len, 4))
+        out = await send_request(self.http, self.settings, short)
+        if not out.success:
+            # Network errors already name the URL; HTTP errors need it added.
+            where = "" if cfg.url in out.error else f" to {cfg.url}"
+            raise BenchError(f"test request{where} failed: {out.error}")
+        return self.settings
+
+    async def run_pass(
+        self, requests: Sequence[SampleRequest], max_concurrency: int | None, desc: str = ""
+    ) -> tuple[list[RequestOutput], float, int]:
+        """Send `requests` under the pass's load shape; returns outputs, duration and peak in-flight."""
+        assert self.settings is not None, "connect() first"
+        settings = self.settings
+        cfg = self.cfg
+        limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+        in_flight = 0
+        peak = 0
+        bar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc=desc or None)
+
+        async def one(req: SampleRequest) -> RequestOutput:
+            nonlocal in_flight, peak
+            async with limit:
+                in_flight += 1
+                peak = max(peak, in_flight)
+                try:
+                    return await send_request(self.http, settings, req)
+                finally:
+                    in_flight -= 1
+                    bar.update(1)
+
+        start = time.perf_counter()
+        tasks = []
+        async for req in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed):
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        bar.close()
+        return outputs, duration, peak
+
+    async def warm_up(self, requests: Sequence[SampleRequest], max_concurrency: int | None) -> None:
+        """Send `cfg.num_warmups` requests (cycling through the dataset) whose timings are discarded."""
+        num = self.cfg.num_warmups
+        if num == 0:
+            return
+        assert self.settings is not None, "connect() first"
+        settings = self.settings
+        limit = asyncio.Semaphore(max_concurrency or num)
+
+        async def one(req: SampleRequest) -> None:
+            async with limit:
+                await send_request(self.http, settings, req)
+
+        await asyncio.gather(*(one(requests[i % len(requests)]) for i in range(num)))
+
+
+async def _run_passes(
+    cfg: BenchServeConfig,
+    passes: Sequence[tuple[int | None, int]],
+    requests: Sequence[SampleRequest] | None,
+    on_result: Callable[[BenchResult], None] | None = None,
+) -> list[BenchResult]:
+    """Run one pass per (max_concurrency, num_prompts), all from the same dataset and connection pool."""
+    cfg.validate()
+    if requests is not None and not requests:
+        raise BenchError("no requests to send")
+    tokenizer = _load_tokenizer(cfg) if requests is None else None
+    session = _Session(cfg)
+    try:
+        # The server is checked with a one-prompt dataset first: building a large dataset takes seconds
+        # and is wasted when the server is down.
+        probe = requests[0] if requests is not None else build_requests(cfg, 1, tokenizer)[0]
+        settings = await session.connect(probe)
+        needed = max(n for _, n in passes)
+        pool = list(requests) if requests is not None else build_requests(cfg, needed, tokenizer)
+        results = []
+        for concurrency, num_prompts in passes:
+            # A sweep reuses the dataset's first prompts so every pass sees the same shapes.
+            batch = [pool[i % len(pool)] for i in range(num_prompts)]
+            await session.warm_up(batch, concurrency)
+            desc = f"concurrency {concurrency}" if concurrency else ""
+            outputs, duration, peak = await session.run_pass(batch, concurrency, desc)
+            metrics = compute_metrics(outputs, duration, cfg.percentiles, concurrency, peak)
+            pass_cfg = dataclasses.replace(cfg, max_concurrency=concurrency, num_prompts=num_prompts)
+            results.append(BenchResult(pass_cfg, settings.model, metrics, outputs))
+            if on_result is not None:
+                on_result(results[-1])
+        return results
+    finally:
+        await session.close()
+
+
+async def run_benchmark(cfg: BenchServeConfig, requests: Sequence[SampleRequest] | None = None) -> BenchResult:
+    """Run one benchmark pass as `cfg` describes; `requests` replaces the dataset built from `cfg`.
+
+    Raises `BenchError` when the settings are invalid or the server is unreachable or rejects the
+    first (test) request; failures of individual requests during the pass are counted, not raised.
+    """
+    passes = [(cfg.max_concurrency, len(requests) if requests is not None else cfg.num_prompts)]
+    return (await _run_passes(cfg, passes, requests))[0]
+
+
+async def run_sweep(
+    cfg: BenchServeConfig,
+    concurrencies: Sequence[int],
+    prompts_per_concurrency: int | None = None,
+    requests: Sequence[SampleRequest] | None = None,
+    on_result: Callable[[BenchResult], None] | None = None,
+) -> list[BenchResult]:
+    """One pass per max-concurrency level; each sends `prompts_per_concurrency` x level prompts, or
+    `cfg.num_prompts` when that is None. `on_result` sees each pass as soon as it ends."""
+    if not concurrencies or any(c < 1 for c in concurrencies):
+        raise BenchError(f"sweep concurrencies must be >= 1, got {list(concurrencies)}")
+    if prompts_per_concurrency is not None and prompts_per_concurrency < 1:
+        raise BenchError(f"prompts per concurrency must be >= 1, got {prompts_per_concurrency}")
+    passes = [(c, prompts_per_concurrency * c if prompts_per_concurrency else cfg.num_prompts) for c in concurrencies]
+    return await _run_passes(cfg, passes, requests, on_result)

@@ -1,0 +1,99 @@
+"""Offline batch inference in the vLLM convention: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from nibble.engine.config import EngineConfig
+from nibble.engine.llm_engine import LLMEngine
+from nibble.engine.request import RequestOutput
+from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """A model loaded for offline generation.
+
+    LLM(model="demo" | DIR, device="auto"|"cpu"|"cuda", dtype="auto"|"bfloat16"|"float32", **engine options);
+    any EngineConfig field can be given as a keyword.
+    """
+
+    def __init__(self, model: str = "demo", device: str = "auto", dtype: str = "auto", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list: text, token-id lists, or {"prompt": ...}/{"prompt_token_ids": ...}.
+        Returns one RequestOutput per prompt, in order."""
+        items = self._normalize(prompts)
+        if isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        else:
+            params = [sampling_params or SamplingParams() for _ in items]
+        ids = []
+        for p, sp in zip(items, params):
+            self._counter += 1
+            rid = f"offline-{self._counter}"
+            self.engine.add_request(rid, p, _copy(sp))
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in ids]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate."""
+        tok = self.get_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+            for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        out: list[str | list[int]] = []
+        for p in prompts:  # type: ignore[union-attr]
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    out.append(list(p["prompt_token_ids"]))
+                elif "prompt" in p:
+                    out.append(str(p["prompt"]))
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            elif isinstance(p, str):
+                out.append(p)
+            else:
+                out.append(list(p))
+        return out
+
+
+def _copy(sp: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))

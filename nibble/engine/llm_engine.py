@@ -1,0 +1,233 @@
+"""LLMEngine: the synchronous core. `add_request` validates and queues, `step` schedules one batch, runs
+the model, samples, detokenizes incrementally, applies stop conditions and reports per-request outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nibble.checkpoint.demo import resolve_model_path
+from nibble.checkpoint.loader import load_model
+from nibble.engine.block_manager import BlockManager
+from nibble.engine.config import EngineConfig
+from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from nibble.engine.generation_config import GenerationDefaults
+from nibble.engine.kernels import select_engine_kernels
+from nibble.engine.model_runner import ModelRunner
+from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
+from nibble.engine.sampler import sample
+from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.scheduler import Scheduler
+from nibble.engine.tokenizer import Tokenizer
+from nibble.models.config import ModelConfig
+
+logger = logging.getLogger("nibble.engine")
+
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (HTTP 400): too long, bad token ids, duplicate id..."""
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker
+    text: str = ""
+    sent_tokens: int = 0
+    sent_text: int = 0
+    prompt: str | None = None
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_dir = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.device = config.torch_device
+        tok_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir
+        self.tokenizer: Tokenizer | None = (Tokenizer.from_pretrained(tok_dir)
+                                            if (tok_dir / "tokenizer.json").is_file() else None)
+        self.generation_defaults = GenerationDefaults.from_pretrained(self.model_dir)
+        max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                               f"{self.model_config.max_position_embeddings}")
+        self.kernels, self.kernel_report = select_engine_kernels(config, self.model_config)
+        self.model = load_model(self.model_dir, self.model_config, self.kernels, dtype=config.torch_dtype,
+                                device=self.device, load_format=config.load_format, max_positions=max_model_len,
+                                seed=config.seed)
+        self.runner = ModelRunner(config, self.model_config, self.model, max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots)
+        capacity = self.blocks.num_usable_blocks * config.block_size
+        if capacity < max_model_len:
+            logger.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d",
+                           capacity, max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(config.seed)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids)
+                                          | set(self.generation_defaults.eos_token_ids or ())
+                                          | set(self.tokenizer.eos_token_ids if self.tokenizer else ())))
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_preemptions = 0
+        logger.info("engine ready in %.1f s: %d KV blocks x %d tokens, %d state slots, max_model_len %d, device %s",
+                    time.perf_counter() - t0, self.blocks.num_blocks, config.block_size,
+                    self.blocks.num_state_slots, self.max_model_len, self.device)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise RequestError(f"request id '{request_id}' is already in use")
+        prompt_text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids as the prompt")
+            prompt_text = prompt
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{len(prompt_ids)} prompt tokens and asks for {max_tokens} more "
+                f"({len(prompt_ids) + max_tokens} in all). Shorten the prompt or lower max_tokens.")
+        if params.max_tokens is None:
+            params.max_tokens = max_tokens
+        if self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
+            raise OverflowError(f"the engine already holds {self.scheduler.num_unfinished} requests")
+        req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        self._text[request_id] = _TextState(detok, StopChecker(params.stop, params.include_stop_str_in_output),
+                                            prompt=prompt_text)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.num_prompt_tokens += len(prompt_ids)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its caches; returns its final output (None if unknown/finished)."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": self.blocks.usage, "num_steps": self.num_steps,
+                "num_generated_tokens": self.num_generated_tokens, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_preemptions": self.num_preemptions}
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an output for each request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += sched.num_preempted
+        if sched.empty:
+            return []
+        self.num_steps += 1
+        logits, rows = self.runner.execute(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            req.num_computed_tokens += n
+        if logits is None:
+            return []
+        sampled = [sched.requests[i] for i in rows]
+        result = sample(logits, sampled, self._generator)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for j, req in enumerate(sampled):
+            if j in result.bad_rows:
+                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {self.num_steps} "
+                             f"for this request; generation stopped")
+                logger.error("non-finite logits: request %s, step %d, batch of %d sequences (%d tokens)",
+                             req.request_id, self.num_steps, len(sched.requests), sched.num_tokens)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req))
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._append_token(req, result.token_ids[j], result.logprobs[j])
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        sp = req.sampling_params
+        req.output_token_ids.append(token)
+        self.num_generated_tokens += 1
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        state = self._text[req.request_id]
+        status: RequestStatus | None = None
+        enough = req.num_output_tokens >= sp.min_tokens
+        if enough and token in sp.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif enough and not sp.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif state.detok is not None:
+            piece = state.detok.step([token])
+            if enough:
+                piece, stopped = state.stop.process(piece)
+                if stopped:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop.matched
+            state.text += piece
+        if status is None and (req.num_output_tokens >= (sp.max_tokens or 0) or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if state.detok is not None and not state.stop.stopped:
+                piece, _ = state.stop.process(state.detok.flush())
+                state.text += piece + state.stop.flush()
+            self.scheduler.finish(req, status)
+
+    def _output(self, req: Request) -> RequestOutput:
+        state = self._text[req.request_id]
+        delta_ids = req.output_token_ids[state.sent_tokens:]
+        delta_lp = req.output_logprobs[state.sent_tokens:] if req.sampling_params.logprobs is not None else []
+        delta_text = state.text[state.sent_text:]
+        state.sent_tokens = len(req.output_token_ids)
+        state.sent_text = len(state.text)
+        out = CompletionOutput(
+            index=0, text=state.text, token_ids=list(req.output_token_ids),
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, delta_text=delta_text,
+            delta_token_ids=delta_ids, delta_logprobs=delta_lp)
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+            self._text.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.finished, error=req.error,
+                             prompt=state.prompt, metrics=metrics)

@@ -1,0 +1,81 @@
+"""SamplingParams in the vLLM convention, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling setting; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 and min_p 0 disable those filters.
+    logprobs: number of top log-probabilities to return per generated token (None = none; the sampled
+    token's own log-probability is included whenever logprobs is not None).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def check(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise SamplingParamsError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        check(self.n == 1, "n", "must be 1 (parallel sampling is not supported)")
+        check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and (self.top_k <= 0 or self.top_k >= 1), "top_k", "must be an integer")
+        check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+              "must be in [-2, 2]")
+        check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+              "must be in [-2, 2]")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "must be >= 1")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and x == x and x not in (float("inf"), float("-inf"))

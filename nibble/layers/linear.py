@@ -1,0 +1,163 @@
+"""Linear layers with a quantization method per layer.
+
+A `Linear` may stack several checkpoint projections along its output dim (`output_sizes`, e.g. q|k|v or
+in_proj_qkv|z|b|a) so that one GEMM serves them; each stacked piece is a *shard* loaded from its own
+checkpoint tensor. The method is decided per layer: BF16/FP32 weights go through torch (cuBLAS on GPU);
+NVFP4 weights (ModelOpt) through the `nvfp4_linear` kernel (W4A16), with the checkpoint's global scale of
+each shard expanded to one fp32 value per output row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nibble.formats.nvfp4 import GROUP_SIZE, NVFP4Tensor
+from nibble.kernels.kernel_set import KernelSet
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor that does not fit the parameter it is meant for."""
+
+
+def check_tensor(name: str, tensor: torch.Tensor, shape: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
+    """Raise WeightLoadError naming the tensor and the expected vs found shape/dtype."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise WeightLoadError(f"tensor '{name}': expected shape {tuple(shape)}, found {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        found = str(tensor.dtype).replace("torch.", "")
+        raise WeightLoadError(f"tensor '{name}': expected dtype {want}, found {found}")
+
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Linear(nn.Module):
+    """y = x W^T for x [T, in_features] -> [T, sum(output_sizes)], no bias (Qwen3.5 has none).
+
+    quantized=False: `weight` [N, K] in the model dtype. quantized=True (NVFP4): `weight` uint8 [N, K/2],
+    `weight_scale` float8_e4m3fn [N, K/16], `global_scale` fp32 [N].
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], *, quantized: bool, kernels: KernelSet,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.quantized = quantized
+        self.kernels = kernels
+        n, k = self.out_features, in_features
+        if quantized:
+            if k % GROUP_SIZE:
+                raise ValueError(f"NVFP4 linear needs in_features divisible by {GROUP_SIZE}, got {k}")
+            self.weight = nn.Parameter(torch.empty(n, k // 2, dtype=torch.uint8, device=device),
+                                       requires_grad=False)
+            self.weight_scale = nn.Parameter(
+                torch.empty(n, k // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device), requires_grad=False)
+            self.global_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=device),
+                                             requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device=device), requires_grad=False)
+
+    def shard_rows(self, shard: int) -> slice:
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+    def load(self, name: str, kind: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        """Copy one checkpoint tensor into shard `shard`.
+
+        kind: 'weight' | 'weight_scale' | 'weight_scale_2' | 'input_scale' (the last is W4A4-only: accepted
+        and dropped).
+        """
+        rows = self.shard_rows(shard)
+        n = self.output_sizes[shard]
+        k = self.in_features
+        if kind == "input_scale":
+            if not self.quantized:
+                raise WeightLoadError(f"tensor '{name}': NVFP4 input_scale for a layer that is not quantized")
+            return
+        if kind == "weight":
+            if self.quantized:
+                if tensor.dtype != torch.uint8:
+                    raise WeightLoadError(
+                        f"tensor '{name}': the quantization config makes this layer NVFP4 (uint8 weight), "
+                        f"found {tensor.dtype}")
+                check_tensor(name, tensor, (n, k // 2), (torch.uint8,))
+            else:
+                if tensor.dtype == torch.uint8:
+                    raise WeightLoadError(
+                        f"tensor '{name}': found an NVFP4 (uint8) weight, but the quantization config "
+                        f"excludes this layer (or the checkpoint has no hf_quant_config.json)")
+                check_tensor(name, tensor, (n, k), FLOAT_DTYPES)
+            self.weight.data[rows].copy_(tensor)
+        elif kind == "weight_scale":
+            if not self.quantized:
+                raise WeightLoadError(f"tensor '{name}': NVFP4 scale for a layer that is not quantized")
+            check_tensor(name, tensor, (n, k // GROUP_SIZE), (torch.float8_e4m3fn,))
+            self.weight_scale.data[rows].copy_(tensor)
+        elif kind == "weight_scale_2":
+            if not self.quantized:
+                raise WeightLoadError(f"tensor '{name}': NVFP4 scale for a layer that is not quantized")
+            if tensor.numel() != 1:
+                raise WeightLoadError(f"tensor '{name}': expected a scalar, found shape {tuple(tensor.shape)}")
+            self.global_scale.data[rows].fill_(float(tensor.float().reshape(())))
+        else:
+            raise WeightLoadError(f"tensor '{name}': unknown linear tensor kind '{kind}'")
+
+    def nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.weight, self.weight_scale, self.global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self.kernels.nvfp4_linear(x, self.nvfp4())
+        return F.linear(x, self.weight)
+
+    def param_kinds(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale", "weight_scale_2") if self.quantized else ("weight",)
+
+    def extra_repr(self) -> str:
+        q = "nvfp4" if self.quantized else str(self.weight.dtype).replace("torch.", "")
+        return f"in={self.in_features}, out={self.output_sizes}, {q}"
+
+
+class FusedProjections(nn.Module):
+    """Several projections of the same input, computed with as few GEMMs as their quantization allows.
+
+    specs: (checkpoint name, output size, quantized) per projection. Consecutive projections with the same
+    method share one `Linear`; `forward` returns one output [T, size] per spec (views where possible).
+    `locate(name)` gives the Linear and shard a checkpoint tensor goes to.
+    """
+
+    def __init__(self, in_features: int, specs: Sequence[tuple[str, int, bool]], *, kernels: KernelSet,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        groups: list[list[tuple[str, int, bool]]] = []
+        for spec in specs:
+            if groups and groups[-1][-1][2] == spec[2]:
+                groups[-1].append(spec)
+            else:
+                groups.append([spec])
+        self.linears = nn.ModuleList(
+            Linear(in_features, [s[1] for s in g], quantized=g[0][2], kernels=kernels, dtype=dtype, device=device)
+            for g in groups)
+        self._where: dict[str, tuple[int, int]] = {}
+        for gi, g in enumerate(groups):
+            for si, s in enumerate(g):
+                self._where[s[0]] = (gi, si)
+        self.names = tuple(s[0] for s in specs)
+
+    def locate(self, name: str) -> tuple[Linear, int]:
+        gi, si = self._where[name]
+        return self.linears[gi], si  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for lin in self.linears:
+            y = lin(x)
+            outs.extend(torch.split(y, list(lin.output_sizes), dim=-1) if len(lin.output_sizes) > 1 else [y])
+        return outs

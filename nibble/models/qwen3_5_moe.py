@@ -1,0 +1,281 @@
+"""Qwen3.5-MoE text model: 3 Gated DeltaNet layers then 1 gated full-attention layer, repeating, each
+followed by a sparse MoE with a shared expert.
+
+The model computes with the kernels of the `KernelSet` it is built with, reads and writes the paged KV cache
+and the GDN state pool through `ForwardBatch`, and maps checkpoint tensors onto its parameters in
+`load_weights` (names normalised to the text-only layout `model.layers.N...`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nibble.kernels.kernel_set import KernelSet
+from nibble.layers.attention import GatedAttention
+from nibble.layers.embedding import Embedding, LMHead
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.gdn import GatedDeltaNet
+from nibble.layers.linear import FLOAT_DTYPES, FusedProjections, Linear, WeightLoadError, check_tensor
+from nibble.layers.moe import SparseMoE
+from nibble.layers.norm import RMSNorm
+from nibble.layers.rotary import RotaryEmbedding
+from nibble.models.config import FULL_ATTENTION, ModelConfig
+
+logger = logging.getLogger("nibble.models")
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_LINEAR_KINDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, kernels: KernelSet, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer_id}"
+        self.layer_id = layer_id
+        self.is_full_attention = config.layer_types[layer_id] == FULL_ATTENTION
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(config, f"{prefix}.self_attn", kernels, rotary, dtype, device)
+            self.kv_scales = [1.0, 1.0]
+        else:
+            self.linear_attn = GatedDeltaNet(config, f"{prefix}.linear_attn", kernels, dtype, device)
+        self.mlp = SparseMoE(config, f"{prefix}.mlp", kernels, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden, _ = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.is_full_attention:
+            cache = caches.kv[self.layer_id]
+            assert cache is not None
+            hidden = self.self_attn(hidden, batch, cache)
+        else:
+            state = caches.gdn[self.layer_id]
+            assert state is not None
+            hidden = self.linear_attn(hidden, batch, state)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        assert residual is not None
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5MoeForCausalLM(nn.Module):
+    """forward(batch, caches) -> hidden [num_tokens, hidden]; compute_logits(hidden [N, hidden]) -> fp32
+    [N, vocab]."""
+
+    def __init__(self, config: ModelConfig, kernels: KernelSet, dtype: torch.dtype,
+                 device: torch.device | str, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        self.dtype = dtype
+        self.device = torch.device(device)
+        max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, kernels, device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, self.rotary, dtype, device)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, device,
+                              tied=self.embed_tokens if config.tie_word_embeddings else None)
+        self._loaded: set[str] = set()
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch, caches)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_scales(self) -> dict[int, tuple[float, float]]:
+        """FP8 KV-cache scales found in the checkpoint, per full-attention layer (1.0 when absent)."""
+        return {layer.layer_id: (layer.kv_scales[0], layer.kv_scales[1])
+                for layer in self.layers if layer.is_full_attention}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (normalised names, streamed one at a time) into the parameters.
+
+        Raises WeightLoadError naming the tensor on any unknown name, shape or dtype mismatch; call
+        `check_complete()` afterwards to find tensors the checkpoint lacked.
+        """
+        for name, tensor in weights:
+            self._load_one(name, tensor)
+            self._loaded.add(name)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        cfg = self.config
+        if name == "model.embed_tokens.weight":
+            check_tensor(name, tensor, (cfg.vocab_size, cfg.hidden_size), FLOAT_DTYPES)
+            self.embed_tokens.weight.data.copy_(tensor)
+            return
+        if name == "lm_head.weight":
+            if self.lm_head.tied is not None:
+                return
+            check_tensor(name, tensor, (cfg.vocab_size, cfg.hidden_size), FLOAT_DTYPES)
+            self.lm_head.weight.data.copy_(tensor)
+            return
+        if name == "model.norm.weight":
+            self._load_norm(name, self.norm, tensor)
+            return
+        m = _LAYER_RE.match(name)
+        if m is None:
+            raise WeightLoadError(f"tensor '{name}': not part of a Qwen3.5-MoE text model")
+        layer_id, rest = int(m.group(1)), m.group(2)
+        if layer_id >= len(self.layers):
+            raise WeightLoadError(f"tensor '{name}': layer {layer_id} but the config has "
+                                  f"{len(self.layers)} layers")
+        layer = self.layers[layer_id]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            self._load_norm(name, getattr(layer, rest.split(".")[0]), tensor)
+        elif rest.startswith("self_attn."):
+            if not layer.is_full_attention:
+                raise WeightLoadError(f"tensor '{name}': layer {layer_id} is a linear-attention layer")
+            self._load_attention(name, layer, rest[len("self_attn."):], tensor)
+        elif rest.startswith("linear_attn."):
+            if layer.is_full_attention:
+                raise WeightLoadError(f"tensor '{name}': layer {layer_id} is a full-attention layer")
+            self._load_gdn(name, layer.linear_attn, rest[len("linear_attn."):], tensor)
+        elif rest.startswith("mlp."):
+            self._load_moe(name, layer.mlp, rest, tensor)
+        else:
+            raise WeightLoadError(f"tensor '{name}': not part of a Qwen3.5-MoE text model")
+
+    @staticmethod
+    def _load_norm(name: str, norm: RMSNorm, tensor: torch.Tensor) -> None:
+        check_tensor(name, tensor, tuple(norm.weight.shape), FLOAT_DTYPES)
+        norm.weight.data.copy_(tensor)
+
+    @staticmethod
+    def _load_linear(name: str, target: Linear | FusedProjections, proj: str, kind: str,
+                     tensor: torch.Tensor) -> None:
+        if kind not in _LINEAR_KINDS:
+            raise WeightLoadError(f"tensor '{name}': unknown tensor kind '{kind}'")
+        if isinstance(target, FusedProjections):
+            lin, shard = target.locate(proj)
+            lin.load(name, kind, tensor, shard)
+        else:
+            target.load(name, kind, tensor)
+
+    def _load_attention(self, name: str, layer: DecoderLayer, rest: str, tensor: torch.Tensor) -> None:
+        attn = layer.self_attn
+        proj, _, kind = rest.partition(".")
+        if rest in ("q_norm.weight", "k_norm.weight"):
+            self._load_norm(name, attn.q_norm if proj == "q_norm" else attn.k_norm, tensor)
+        elif kind in ("k_scale", "v_scale") or rest in ("k_scale", "v_scale"):
+            scale_kind = kind or rest
+            layer.kv_scales[0 if scale_kind == "k_scale" else 1] = float(tensor.float().reshape(-1)[0])
+        elif proj in ("q_proj", "k_proj", "v_proj"):
+            self._load_linear(name, attn.qkv, proj, kind, tensor)
+        elif proj == "o_proj":
+            self._load_linear(name, attn.o_proj, proj, kind, tensor)
+        else:
+            raise WeightLoadError(f"tensor '{name}': unknown attention tensor")
+
+    def _load_gdn(self, name: str, gdn: GatedDeltaNet, rest: str, tensor: torch.Tensor) -> None:
+        proj, _, kind = rest.partition(".")
+        if proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            self._load_linear(name, gdn.in_proj, proj, kind, tensor)
+        elif proj == "out_proj":
+            self._load_linear(name, gdn.out_proj, proj, kind, tensor)
+        elif rest == "conv1d.weight":
+            c, w = gdn.conv_weight.shape
+            if tensor.dim() == 3:
+                check_tensor(name, tensor, (c, 1, w), FLOAT_DTYPES)
+                tensor = tensor[:, 0]
+            check_tensor(name, tensor, (c, w), FLOAT_DTYPES)
+            gdn.conv_weight.data.copy_(tensor)
+        elif rest in ("A_log", "dt_bias"):
+            param = getattr(gdn, rest)
+            check_tensor(name, tensor, tuple(param.shape), FLOAT_DTYPES)
+            param.data.copy_(tensor)
+        elif rest == "norm.weight":
+            check_tensor(name, tensor, tuple(gdn.norm_weight.shape), FLOAT_DTYPES)
+            gdn.norm_weight.data.copy_(tensor)
+        else:
+            raise WeightLoadError(f"tensor '{name}': unknown linear-attention tensor")
+
+    def _load_moe(self, name: str, moe: SparseMoE, rest: str, tensor: torch.Tensor) -> None:
+        m = _EXPERT_RE.match(rest)
+        if m is not None:
+            moe.experts.load_expert(name, int(m.group(1)), m.group(2), m.group(3), tensor)
+            return
+        if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            moe.experts.load_fused(name, rest.rsplit(".", 1)[1], tensor)
+            return
+        sub = rest[len("mlp."):]
+        proj, _, kind = sub.rpartition(".")
+        if proj == "gate":
+            if tensor.dtype == torch.uint8:
+                raise WeightLoadError(f"tensor '{name}': the router must be BF16, found an NVFP4 weight")
+            self._load_linear(name, moe.gate, proj, kind, tensor)
+        elif proj in ("shared_expert.gate_proj", "shared_expert.up_proj"):
+            self._load_linear(name, moe.shared_gate_up, proj, kind, tensor)
+        elif proj == "shared_expert.down_proj":
+            self._load_linear(name, moe.shared_down, proj, kind, tensor)
+        elif proj == "shared_expert_gate":
+            self._load_linear(name, moe.shared_expert_gate, proj, kind, tensor)
+        else:
+            raise WeightLoadError(f"tensor '{name}': unknown MoE tensor")
+
+    def expected_tensor_names(self) -> list[str]:
+        """Checkpoint names (normalised) this model needs, routed experts aside (see RoutedExperts.missing)."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head.tied is None:
+            names.append("lm_head.weight")
+        for layer in self.layers:
+            p = f"model.layers.{layer.layer_id}"
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            if layer.is_full_attention:
+                a = layer.self_attn
+                names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+                names += _linear_names(f"{p}.self_attn", a.qkv) + _linear_names(f"{p}.self_attn.o_proj", a.o_proj)
+            else:
+                g = layer.linear_attn
+                names += [f"{p}.linear_attn.{n}" for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")]
+                names += _linear_names(f"{p}.linear_attn", g.in_proj)
+                names += _linear_names(f"{p}.linear_attn.out_proj", g.out_proj)
+            mlp = layer.mlp
+            names += _linear_names(f"{p}.mlp.gate", mlp.gate)
+            names += _linear_names(f"{p}.mlp", mlp.shared_gate_up)
+            names += _linear_names(f"{p}.mlp.shared_expert.down_proj", mlp.shared_down)
+            names += _linear_names(f"{p}.mlp.shared_expert_gate", mlp.shared_expert_gate)
+        return names
+
+    def check_complete(self) -> None:
+        """Raise WeightLoadError listing the tensors the checkpoint did not provide."""
+        missing = [n for n in self.expected_tensor_names() if n not in self._loaded]
+        for layer in self.layers:
+            missing += [f"model.layers.{layer.layer_id}.mlp.{n}" for n in layer.mlp.experts.missing()]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise WeightLoadError(f"checkpoint is missing tensors: {shown}")
+
+    def finalize(self) -> None:
+        """Derive compute-time values from loaded weights (norm multipliers, GDN decay rates)."""
+        for mod in self.modules():
+            if isinstance(mod, (RMSNorm, GatedDeltaNet)):
+                mod.finalize()
+
+
+def _linear_names(prefix: str, lin: Linear | FusedProjections) -> list[str]:
+    if isinstance(lin, FusedProjections):
+        out = []
+        for name in lin.names:
+            target, _ = lin.locate(name)
+            out += [f"{prefix}.{name}.{k}" for k in target.param_kinds()]
+        return out
+    return [f"{prefix}.{k}" for k in lin.param_kinds()]

@@ -1,0 +1,494 @@
+"""Pydantic models of the OpenAI-compatible API that nibble serves (/v1/completions, /v1/chat/completions,
+/v1/models), including the sampling extras vLLM clients send (top_k, min_p, repetition_penalty, ...).
+
+Requests ignore unknown fields, because OpenAI SDKs and agent frameworks send many. Values nibble cannot
+honour are rejected with a message naming the field rather than silently ignored. `format_validation_error`
+turns a pydantic `ValidationError` into one readable message for an HTTP 400 `ErrorResponse`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+
+def random_id(prefix: str) -> str:
+    """A response id such as 'chatcmpl-<32 hex>' or 'cmpl-<32 hex>'."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+# Template inputs that have their own request fields (and parameters of `Tokenizer.apply_chat_template`).
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    """`stream_options`: `include_usage` adds a final chunk with token counts."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    # -1 and 0 both mean "off", as in vLLM.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if not s:
+                raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _valid_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(i < 0 for i in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("not supported")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        """`stop` as a list (empty when unset)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be an empty list")
+            for p in v:
+                ids = p if isinstance(p, list) else [p] if isinstance(p, int) else []
+                if isinstance(p, list) and not p:
+                    raise ValueError("token-id prompts must not be empty")
+                if any(i < 0 for i in ids):
+                    raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported (nibble does not return prompt text)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("not supported")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: each entry a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. Messages and tools stay plain dicts (checked by the chat template layer),
+    so they reach the template with the client's keys and key order."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    include_reasoning: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _supported_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if v is None or v in ("auto", "none"):
+            return v
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("only 'auto' and 'none' are supported (forcing a tool call needs guided decoding)")
+        raise ValueError(f"must be 'auto' or 'none', got {v!r}")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in _RESERVED_TEMPLATE_KWARGS:
+            if v and key in v:
+                raise ValueError(f"{key!r} cannot be set here; use the request field of that name")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"type {v.get('type')!r} is not supported; only 'text' is")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs=true")
+        return v
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """`max_completion_tokens`, falling back to the older `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def enable_thinking(self) -> bool:
+        """Whether the prompt opens a think block: `chat_template_kwargs.enable_thinking`, default true."""
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs.get("enable_thinking") is not False
+
+    @property
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The tools to render in the prompt (none when `tool_choice` is 'none')."""
+        return None if self.tool_choice == "none" else self.tools
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions logprobs: parallel lists per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(BaseModel):
+    """One candidate token: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """A generated token with its most likely alternatives."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class CompletionResponseChoice(BaseModel):
+    """One choice of a /v1/completions response."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    # vLLM extra: the stop string or stop token id that ended the choice.
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Non-streaming /v1/completions response."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    """One choice of a streamed /v1/completions chunk."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """A streamed /v1/completions chunk; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+class FunctionCall(BaseModel):
+    """A complete function call: name and JSON-encoded arguments."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A complete tool call in a chat message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    """Part of a function call in a stream: the name arrives first, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A tool-call delta; `id` and `type` come only with the first delta of each call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatMessage(BaseModel):
+    """The assistant message of a non-streaming chat response."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaMessage(BaseModel):
+    """A streamed chat delta. Serialise with `exclude_none=True` so absent parts are left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    """One choice of a non-streaming chat response."""
+
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Non-streaming /v1/chat/completions response."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    """One choice of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """A streamed /v1/chat/completions chunk; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "nibble"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    """The body of an OpenAI error."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+def error_response(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: int | str | None = 400
+) -> ErrorResponse:
+    """Build an `ErrorResponse`; `code` is the HTTP status by default, as vLLM reports it."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+
+
+# Union-typed fields produce one pydantic error per union member; these say what the field accepts.
+_FIELD_EXPECTS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "tool_choice": "'auto' or 'none'",
+}
+
+
+def _loc_text(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """One readable message for a request that failed validation, and the name of the first bad field.
+
+    Example: ("temperature: Input should be greater than or equal to 0 (got -1)", "temperature").
+    """
+    messages: list[str] = []
+    first_param: str | None = None
+    seen_fields: set[str] = set()
+    for err in exc.errors(include_url=False):
+        loc = tuple(err.get("loc", ()))
+        field = str(loc[0]) if loc else ""
+        if field in seen_fields:
+            continue
+        seen_fields.add(field)
+        msg = str(err.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if err.get("type") == "missing":
+            text = f"{_loc_text(loc)}: field required"
+        elif field in _FIELD_EXPECTS and err.get("type") not in ("value_error",):
+            text = f"{field}: must be {_FIELD_EXPECTS[field]}"
+        else:
+            # Union members add type names to the location (e.g. 'str', 'list[int]'); they only confuse.
+            path = _loc_text(tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in ("str", "int"))))
+            given = err.get("input")
+            # Range and type errors read better with the offending value; our own messages already say it.
+            show = err.get("type") != "value_error" and isinstance(given, (int, float, str)) and len(repr(given)) <= 40
+            got = f" (got {given!r})" if show else ""
+            text = f"{path}: {msg}{got}" if path else msg
+        messages.append(text)
+        if first_param is None and field:
+            first_param = _loc_text(loc[:1]) if field in _FIELD_EXPECTS else _loc_text(loc)
+    return "; ".join(messages) or "invalid request", first_param
