@@ -17,7 +17,7 @@ from nibble.models.config import ModelConfig
 
 logger = logging.getLogger("nibble.engine")
 
-CPU_DEFAULT_KV_GB = 1.0
+CPU_DEFAULT_KV_GB = 0.25
 
 
 def cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
