@@ -8,7 +8,6 @@ tokenizer and the Qwen3.5 chat template. Deterministic; run from the repository 
 from __future__ import annotations
 
 import json
-
 import shutil
 import sys
 import tempfile

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nibble.kernels._triton import tl, triton
+
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       cu_seqlens: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
@@ -25,4 +27,139 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
         y = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])
         out[start:end] = F.silu(y[0].t()).to(x.dtype)
         conv_state[slot] = window[-(width - 1):].to(conv_state.dtype)
+    return out
+
+
+@triton.jit
+def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, out_ptr, n_ch, stride_x, stride_s0, stride_s1,
+                          stride_o, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    seq = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < n_ch
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s_base = state_ptr + slot * stride_s0 + ch
+    xv = tl.load(x_ptr + seq.to(tl.int64) * stride_x + ch, mask=cmask, other=0.0)
+    acc = xv.to(tl.float32) * tl.load(w_ptr + ch * WIDTH + (WIDTH - 1), mask=cmask, other=0.0).to(tl.float32)
+    for j in tl.static_range(WIDTH - 1):
+        s = tl.load(s_base + j * stride_s1, mask=cmask, other=0.0).to(tl.float32)
+        acc += s * tl.load(w_ptr + ch * WIDTH + j, mask=cmask, other=0.0).to(tl.float32)
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o + ch, out.to(out_ptr.dtype.element_ty), mask=cmask)
+    # shift the window by one: row j takes row j+1 (read before that row is overwritten), the last row x
+    for j in tl.static_range(WIDTH - 1):
+        if j < WIDTH - 2:
+            nxt = tl.load(s_base + (j + 1) * stride_s1, mask=cmask, other=0.0)
+        else:
+            nxt = xv.to(state_ptr.dtype.element_ty)
+        tl.store(s_base + j * stride_s1, nxt, mask=cmask)
+
+
+@triton.jit
+def _conv1d_varlen_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slots_ptr, out_ptr, n_tok, n_seq, n_ch, stride_x,
+                          stride_s0, stride_s1, stride_o, WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tmask = tok < n_tok
+    cmask = ch < n_ch
+    # sequence of each token: binary search keeping cu[lo] <= tok < cu[hi]
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + n_seq
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_ptr + mid) <= tok
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    start = tl.load(cu_ptr + lo)
+    slot = tl.load(slots_ptr + lo).to(tl.int64)
+    rel = tok - start
+    m2 = tmask[:, None] & cmask[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        p = rel - (WIDTH - 1) + j
+        in_x = p >= 0
+        src = (tok - (WIDTH - 1) + j).to(tl.int64)
+        xv = tl.load(x_ptr + src[:, None] * stride_x + ch[None, :], mask=m2 & in_x[:, None], other=0.0)
+        row = tl.where(in_x, 0, p + (WIDTH - 1))
+        sv = tl.load(state_ptr + slot[:, None] * stride_s0 + row[:, None] * stride_s1 + ch[None, :],
+                     mask=m2 & (~in_x)[:, None], other=0.0)
+        w = tl.load(w_ptr + ch * WIDTH + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_o + ch[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m2)
+
+
+@triton.jit
+def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slots_ptr, n_ch, stride_x, stride_s0, stride_s1,
+                         WIDTH: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    seq = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r = tl.arange(0, ROWS)
+    start = tl.load(cu_ptr + seq)
+    n = tl.load(cu_ptr + seq + 1) - start
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    m2 = (r[:, None] < WIDTH - 1) & (ch[None, :] < n_ch)
+    # new row r is window row n + r of [old state (W-1 rows); x (n rows)]
+    q = n + r
+    in_x = q >= WIDTH - 1
+    src = (start + q - (WIDTH - 1)).to(tl.int64)
+    xv = tl.load(x_ptr + src[:, None] * stride_x + ch[None, :], mask=m2 & in_x[:, None], other=0.0)
+    s_ptrs = state_ptr + slot * stride_s0 + ch[None, :]
+    sv = tl.load(s_ptrs + tl.where(in_x, 0, q)[:, None] * stride_s1, mask=m2 & (~in_x)[:, None], other=0.0)
+    new = tl.where(in_x[:, None], xv.to(state_ptr.dtype.element_ty), sv)
+    # other threads may still read the old rows this program overwrites
+    tl.debug_barrier()
+    tl.store(s_ptrs + r[:, None] * stride_s1, new, mask=m2 & (n > 0))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+           state_slots: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"causal_conv1d: x must be [T, C] with contiguous channels, got {tuple(x.shape)}")
+    c = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != c or not weight.is_contiguous():
+        raise ValueError(f"causal_conv1d: weight must be contiguous [C={c}, W], got {tuple(weight.shape)}")
+    w = weight.shape[1]
+    if w < 2 or conv_state.dim() != 3 or conv_state.shape[1:] != (w - 1, c) or conv_state.stride(2) != 1:
+        raise ValueError(f"causal_conv1d: conv_state {tuple(conv_state.shape)} must be [slots, {w - 1}, {c}]")
+    b = state_slots.shape[0]
+    if cu_seqlens.shape != (b + 1,) or cu_seqlens.dtype != torch.int32 or state_slots.dtype != torch.int32:
+        raise ValueError("causal_conv1d: cu_seqlens int32 [B+1] and state_slots int32 [B] expected")
+    if not (x.device == weight.device == conv_state.device == cu_seqlens.device == state_slots.device):
+        raise ValueError("causal_conv1d: tensors on different devices")
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                  state_slots: torch.Tensor) -> torch.Tensor:
+    """Triton `causal_conv1d_ref`; conv_state is updated in place.
+
+    Decode (T == B, every sequence one token): one kernel per (sequence, channel block) computes the
+    output and shifts the state. Otherwise a varlen kernel over (token block, channel block) finds each
+    token's sequence by binary search in cu_seqlens, then a second kernel writes the new states (after
+    every read of the old ones).
+    """
+    _check(x, weight, conv_state, cu_seqlens, state_slots)
+    t, c = x.shape
+    width = weight.shape[1]
+    b = state_slots.shape[0]
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    if t == 0 or b == 0:
+        return out
+    block_c = 256
+    if t == b:
+        _conv1d_decode_kernel[(b, triton.cdiv(c, block_c))](
+            x, weight, conv_state, state_slots, out, c, x.stride(0), conv_state.stride(0),
+            conv_state.stride(1), out.stride(0), WIDTH=width, BLOCK_C=block_c, num_warps=4)
+        return out
+    block_t = 16
+    steps = max(1, (b - 1).bit_length())
+    _conv1d_varlen_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
+        x, weight, conv_state, cu_seqlens, state_slots, out, t, b, c, x.stride(0), conv_state.stride(0),
+        conv_state.stride(1), out.stride(0), WIDTH=width, SEARCH_STEPS=steps, BLOCK_T=block_t,
+        BLOCK_C=block_c, num_warps=4)
+    rows = 1 << max(0, (width - 2).bit_length())
+    _conv1d_state_kernel[(b, triton.cdiv(c, block_c))](
+        x, conv_state, cu_seqlens, state_slots, c, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        WIDTH=width, ROWS=rows, BLOCK_C=block_c, num_warps=4)
     return out

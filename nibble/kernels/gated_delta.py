@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from nibble.kernels._triton import next_pow2, tl, triton
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -36,3 +38,109 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
             out[t] = torch.einsum("hkv,hk->hv", state, qf[t])
         ssm_state[slot] = state.to(ssm_state.dtype)
     return out.to(v.dtype)
+
+
+@triton.jit
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_ptr, slots_ptr, out_ptr,
+                          dk, dv, rep, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_gt, stride_bt, stride_s0, stride_s1, stride_s2, stride_ot, stride_oh,
+                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // rep
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kmask = offs_k < dk
+    vmask = offs_v < dv
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s_ptrs = (state_ptr + slot * stride_s0 + hv * stride_s1 + offs_k[:, None] * stride_s2
+              + offs_v[None, :])
+    smask = kmask[:, None] & vmask[None, :]
+    # the state tile stays in registers across the sequence's tokens and is written back once
+    state = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    for t64 in range(start, end):
+        q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t64 * stride_vt + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t64 * stride_gt + hv).to(tl.float32)
+        beta = tl.load(beta_ptr + t64 * stride_bt + hv).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        state = state * tl.exp(g)
+        kv = tl.sum(state * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + t64 * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           ssm_state: torch.Tensor, cu_seqlens: torch.Tensor, state_slots: torch.Tensor) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hv % hk:
+        raise ValueError(f"gated_delta_rule: {hv} value heads not a multiple of {hk} key heads")
+    if g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"gated_delta_rule: g {tuple(g.shape)} / beta {tuple(beta.shape)} != [{t}, {hv}]")
+    if ssm_state.dim() != 4 or ssm_state.shape[1:] != (hv, dk, dv) or ssm_state.stride(3) != 1:
+        raise ValueError(f"gated_delta_rule: ssm_state {tuple(ssm_state.shape)} != [slots, {hv}, {dk}, {dv}]")
+    if min(q.stride(2), k.stride(2), v.stride(2)) != 1 or g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("gated_delta_rule: the last dim of q, k, v, g, beta must be contiguous")
+    b = state_slots.shape[0]
+    if cu_seqlens.shape != (b + 1,) or cu_seqlens.dtype != torch.int32 or state_slots.dtype != torch.int32:
+        raise ValueError("gated_delta_rule: cu_seqlens int32 [B+1] and state_slots int32 [B] expected")
+    devs = {x.device for x in (q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)}
+    if len(devs) != 1:
+        raise ValueError("gated_delta_rule: tensors on different devices")
+
+
+def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                               state_slots: torch.Tensor) -> torch.Tensor:
+    """Triton `gated_delta_rule_ref`, token by token: one program per (sequence, v head, Dv block) keeps
+    its [Dk, BLOCK_V] state tile in registers and reads/writes `ssm_state[state_slots[i]]` in place
+    (no gather or scatter copies). L2 norm, scaling and GVA are fused. The decode path; also correct
+    (but serial in time) for prefill."""
+    _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    b = state_slots.shape[0]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if t == 0 or b == 0:
+        return out
+    block_k = next_pow2(dk)
+    block_v = max(1, min(next_pow2(dv), 4096 // block_k, 32))
+    _gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, out, dk, dv, hv // hk, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), out.stride(0),
+        out.stride(1), BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state_slots: torch.Tensor) -> torch.Tensor:
+    """`gated_delta_rule_ref` with fla-core's chunked kernel for prefill and mixed batches (varlen,
+    initial states gathered from the slots, final states scattered back) and the in-place recurrent
+    kernel when every sequence has one token (T == B)."""
+    t = q.shape[0]
+    b = state_slots.shape[0]
+    if t == b:
+        return gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
+    _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    slots = state_slots.long()
+    init = ssm_state.index_select(0, slots).float()
+    o, final = chunk_gated_delta_rule(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
+        scale=q.shape[-1] ** -0.5, initial_state=init, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+    ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+    return o[0].to(v.dtype)

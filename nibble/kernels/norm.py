@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nibble.kernels._triton import next_pow2, tl, triton
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -29,3 +31,96 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out = weight.to(x.dtype) * normed
     return (out.float() * F.silu(gate.float())).to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o,
+                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        # the sum is rounded to the activation dtype first: that rounded value is the new residual
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _num_warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton `rms_norm_ref`: one program per row; returns fresh tensors (inputs are not modified)."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden size {hidden}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)}/{residual.dtype} vs x "
+                         f"{tuple(x.shape)}/{x.dtype}")
+    if weight.device != x.device or (residual is not None and residual.device != x.device):
+        raise ValueError("rms_norm: tensors on different devices")
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if residual is not None:
+        r2 = _rows(residual)
+        res_out = torch.empty_like(out)
+    else:
+        r2, res_out = x2, out
+    if n:
+        block = next_pow2(hidden)
+        _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, hidden, x2.stride(0), r2.stride(0),
+                               out.stride(0), res_out.stride(0), float(eps), HAS_RES=residual is not None,
+                               BLOCK=block, num_warps=_num_warps(block))
+    new_res = res_out.view(x.shape) if residual is not None else None
+    return out.view(x.shape), new_res
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g, stride_o, eps,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    # rounding points follow the reference: normed and weight*normed in the activation dtype
+    normed = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(x.dtype)
+    y = (w[None, :] * normed).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = y * g * tl.sigmoid(g)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton `gated_rms_norm_ref`: several short rows (head_dim wide) per program."""
+    dim = x.shape[-1]
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} != x {tuple(x.shape)}")
+    if weight.shape != (dim,):
+        raise ValueError(f"gated_rms_norm: weight {tuple(weight.shape)} does not match {dim}")
+    if gate.device != x.device or weight.device != x.device:
+        raise ValueError("gated_rms_norm: tensors on different devices")
+    x2, g2 = _rows(x), _rows(gate)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if n:
+        block = next_pow2(dim)
+        rows = max(1, min(16, 2048 // block))
+        _gated_rms_norm_kernel[(triton.cdiv(n, rows),)](
+            x2, g2, weight, out, n, dim, x2.stride(0), g2.stride(0), out.stride(0), float(eps),
+            ROWS=rows, BLOCK=block, num_warps=4)
+    return out.view(x.shape)
