@@ -139,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from nibble.kernels.registry import KernelSelectionError
+
+        if isinstance(e, KernelSelectionError):
+            print(f"error: kernel selection failed: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
 
 from nibble.engine.config import EngineConfig
 from nibble.kernels.kernel_set import KernelSet
+from nibble.kernels.registry import SelectionReport, select_kernels
 from nibble.models.config import ModelConfig
 
+logger = logging.getLogger("nibble.engine")
 
-def select_engine_kernels(config: EngineConfig, model_config: ModelConfig) -> tuple[KernelSet, Any]:
-    """(KernelSet, selection report) for the engine's device, dtype and KV-cache dtype."""
-    return KernelSet.reference(), None
+
+def select_engine_kernels(config: EngineConfig, model_config: ModelConfig) -> tuple[KernelSet, SelectionReport]:
+    """(KernelSet, selection report) for the engine's device, dtype and KV-cache dtype.
+
+    Raises KernelSelectionError when a forced backend (--moe-backend, --attention-backend,
+    --linear-backend) is unsupported or fails its self-test.
+    """
+    kernels, report = select_kernels(model_config, config.torch_device, config.torch_dtype,
+                                     config.kv_torch_dtype, forced=config.forced_backends,
+                                     self_test=config.self_test, block_size=config.block_size)
+    logger.info("kernels: %s (self-tests %.1f s)",
+                ", ".join(f"{op}={name}" for op, name in report.selected.items()), report.total_seconds)
+    return kernels, report
