@@ -32,6 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", default=None)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--linear-backend", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -42,7 +44,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed,
-        moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend)
+        moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,11 @@
 """Build a model and fill it from a Hugging Face checkpoint directory (or with dummy weights).
 
 Tensors are streamed one at a time from the safetensors shards straight into the model's parameters, so
-the process never holds a second copy of the model. Vision tower and MTP tensors are skipped with one log
-line each; every other tensor must map onto a parameter, and every parameter must be filled.
+the process never holds a second copy of the model. They are handed to the model lazily (`ShardTensor`:
+header shape and dtype, blocks read on demand through safetensors' `get_slice`), so that a tensor-parallel
+rank reads only its part of each tensor and skips other ranks' experts entirely. Vision tower and MTP
+tensors are skipped with one log line each; every other tensor must map onto a parameter, and every
+parameter must be filled.
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from nibble.checkpoint.dummy import init_dummy_weights
-from nibble.checkpoint.safetensors_io import iter_tensors, list_shards
+from nibble.checkpoint.safetensors_io import CheckpointIOError, list_shards, open_shard
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.linear import WeightLoadError
+from nibble.layers.parallel import ParallelContext
 from nibble.models.config import ModelConfig
 from nibble.models.quant_config import normalize_module_name
 from nibble.models.registry import get_model_class
@@ -29,34 +34,77 @@ SKIPPED_PREFIXES = {"model.visual.": "vision tower", "visual.": "vision tower", 
                     "model.mtp.": "MTP head"}
 
 
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and tensor."""
 
 
-def iter_model_tensors(model_dir: str | Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (normalised name, tensor, file name) for the language model's tensors, one at a time."""
+class ShardTensor:
+    """One tensor of a memory-mapped safetensors shard, not read yet (nibble.layers.parallel.LazyTensor).
+
+    `shape` and `dtype` come from the header; `t[index]` (a tuple of step-1 slices) reads that block only;
+    `load()` reads the whole tensor.
+    """
+
+    def __init__(self, handle: Any, name: str, path: Path) -> None:
+        self._handle = handle
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.path = path
+        self.shape = tuple(int(d) for d in self._slice.get_shape())
+        code = self._slice.get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise CheckpointIOError(f"{path}: tensor '{name}' has dtype {code}, which nibble does not read")
+        self.dtype = _SAFETENSORS_DTYPES[code]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        try:
+            return self._slice[index]
+        except Exception as e:
+            raise CheckpointIOError(f"{self.path}: cannot read tensor '{self.name}'{list(index)}: {e}") from e
+
+    def load(self) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(self.name)
+        except Exception as e:
+            raise CheckpointIOError(f"{self.path}: cannot read tensor '{self.name}': {e}") from e
+
+
+def iter_model_tensors(model_dir: str | Path, config: ModelConfig) -> Iterator[tuple[str, ShardTensor, str]]:
+    """Yield (normalised name, lazily read tensor, file name) for the language model's tensors, in storage
+    order."""
     skipped: dict[str, int] = {}
-    for name, tensor, path in iter_tensors(list_shards(model_dir)):
-        what = next((w for p, w in SKIPPED_PREFIXES.items() if name.startswith(p)), None)
-        if what is not None:
-            skipped[what] = skipped.get(what, 0) + 1
-            continue
-        yield normalize_module_name(name), tensor, path.name
+    for path in list_shards(model_dir):
+        handle = open_shard(path)
+        for name in handle.keys():
+            what = next((w for p, w in SKIPPED_PREFIXES.items() if name.startswith(p)), None)
+            if what is not None:
+                skipped[what] = skipped.get(what, 0) + 1
+                continue
+            yield normalize_module_name(name), ShardTensor(handle, name, path), path.name
     for what, count in skipped.items():
         logger.info("skipped %d %s tensors (not used for text generation)", count, what)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *, dtype: torch.dtype,
                device: torch.device | str, load_format: str = "auto", max_positions: int | None = None,
-               seed: int = 0) -> nn.Module:
+               seed: int = 0, parallel: ParallelContext | None = None) -> nn.Module:
     """Construct the model for `config` on `device` and load its weights.
 
     load_format: 'auto' (safetensors in model_dir) or 'dummy' (random weights of the right format).
+    parallel: this process's tensor-parallel rank (None: the whole model); it builds and reads only its
+    share of the weights.
     """
     t0 = time.perf_counter()
     cls = get_model_class(config)
     with torch.device(device):
-        model = cls(config, kernels, dtype=dtype, device=device, max_positions=max_positions)
+        model = cls(config, kernels, dtype=dtype, device=device, max_positions=max_positions, parallel=parallel)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":
@@ -75,6 +123,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *
         raise CheckpointError(f"unknown load format '{load_format}' (expected 'auto' or 'dummy')")
     model.finalize()
     model.eval()
-    logger.info("loaded %s (%s, %s) in %.1f s", Path(model_dir).name or config.architecture, load_format,
-                str(dtype).replace("torch.", ""), time.perf_counter() - t0)
+    where = f", rank {parallel.tp_rank} of {parallel.tp_size}" if parallel and parallel.is_parallel else ""
+    logger.info("loaded %s (%s, %s%s) in %.1f s", Path(model_dir).name or config.architecture, load_format,
+                str(dtype).replace("torch.", ""), where, time.perf_counter() - t0)
     return model

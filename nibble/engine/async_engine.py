@@ -17,15 +17,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from nibble.engine.config import EngineConfig
-from nibble.engine.llm_engine import LLMEngine
+from nibble.engine.llm_engine import EngineOverloaded, LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nibble.engine")
-
-
-class EngineOverloaded(RuntimeError):
-    """Too many requests are waiting; the server answers 503."""
 
 
 class EngineDead(RuntimeError):
@@ -48,6 +44,11 @@ class AsyncEngine:
         return cls(LLMEngine(config))
 
     @property
+    def is_alive(self) -> bool:
+        """Whether the engine thread is running and accepts requests."""
+        return self.dead_reason is None and self._thread.is_alive()
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
@@ -58,8 +59,8 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Raises RequestError/
         SamplingParamsError (bad input), EngineOverloaded or EngineDead before the first output."""
-        if self.dead_reason is not None:
-            raise EngineDead(self.dead_reason)
+        if not self.is_alive:
+            raise EngineDead(self.dead_reason or "the engine thread has stopped")
         request_id = request_id or uuid.uuid4().hex
         waiting = len(self.engine.scheduler.waiting)
         if waiting >= self.engine.config.max_waiting_requests:
@@ -73,7 +74,9 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(added)
         except BaseException:
+            # Cancelled while the engine thread was adding it: the request may be in the engine already.
             self._streams.pop(request_id, None)
+            self.abort(request_id)
             raise
         finished = False
         try:
@@ -95,9 +98,11 @@ class AsyncEngine:
         self._wakeup.set()
 
     def shutdown(self) -> None:
+        self.dead_reason = self.dead_reason or "the engine was shut down"
         self._stop = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _deliver(self, output: RequestOutput | BaseException, request_id: str) -> None:
         entry = self._streams.get(request_id)
@@ -117,6 +122,8 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, request_id, prompt, params, added = cmd
+                if not added.set_running_or_notify_cancel():
+                    continue  # the caller went away before the engine saw the request
                 try:
                     self.engine.add_request(request_id, prompt, params)
                 except BaseException as e:  # handed to the caller, who maps it to HTTP
@@ -129,6 +136,23 @@ class AsyncEngine:
                     self._deliver(out, cmd[1])
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:
+            self.dead_reason = f"the engine thread stopped: {type(e).__name__}: {e}"
+            logger.exception("engine thread stopped")
+            self._fail_all(EngineDead(self.dead_reason))
+        self.dead_reason = self.dead_reason or "the engine was shut down"
+        # Requests handed over after the last drain would otherwise wait forever for their admission.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add" and cmd[4].set_running_or_notify_cancel():
+                cmd[4].set_exception(EngineDead(self.dead_reason))
+
+    def _run(self) -> None:
         while not self._stop:
             self._drain_commands()
             if not self.engine.has_unfinished_requests():

@@ -20,11 +20,17 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of `model` for batch sizes up to max_batch_size."""
+    """Captured decode steps of `model` for batch sizes up to max_batch_size.
+
+    thread_local_capture: capture in "thread_local" error mode, for tensor-parallel ranks whose graphs hold
+    NCCL collectives: the process group's watchdog thread keeps querying CUDA events during the capture,
+    which the default ("global") mode would turn into a capture error.
+    """
 
     def __init__(self, model: nn.Module, caches: ModelCaches, max_batch_size: int, max_num_blocks_per_seq: int,
-                 max_seq_len: int, device: torch.device) -> None:
+                 max_seq_len: int, device: torch.device, thread_local_capture: bool = False) -> None:
         self.model = model
+        self.capture_error_mode = "thread_local" if thread_local_capture else "global"
         self.caches = caches
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
@@ -61,7 +67,7 @@ class DecodeGraphs:
             self._step(bs)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
                 out = self._step(bs)
             if pool is None:
                 pool = graph.pool()
@@ -81,10 +87,9 @@ class DecodeGraphs:
         bs = self.padded_size(num_seqs)
         assert bs is not None
         width = max(len(b) for b in block_tables)
-        table = torch.zeros(bs, width, dtype=torch.int32)
-        for i, b in enumerate(block_tables):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
         pad = bs - num_seqs
+        flat = [x for b in block_tables for x in (*b, *([0] * (width - len(b))))]
+        table = torch.tensor(flat + [0] * (pad * width), dtype=torch.int32).view(bs, width)
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad],
                             dtype=torch.int64)
         small = torch.tensor([seq_lens + [1] * pad, state_slots + [0] * pad], dtype=torch.int32)

@@ -18,6 +18,7 @@ from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationDefaults
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner
+from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import sample
 from nibble.engine.sampling_params import SamplingParams
@@ -32,6 +33,10 @@ DEFAULT_MAX_MODEL_LEN = 32768
 
 class RequestError(ValueError):
     """A request the engine refuses (HTTP 400): too long, bad token ids, duplicate id..."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are queued; the server answers 503."""
 
 
 @dataclass
@@ -61,10 +66,20 @@ class LLMEngine:
             raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                                f"{self.model_config.max_position_embeddings}")
         self.kernels, self.kernel_report = select_engine_kernels(config, self.model_config)
-        self.model = load_model(self.model_dir, self.model_config, self.kernels, dtype=config.torch_dtype,
-                                device=self.device, load_format=config.load_format, max_positions=max_model_len,
-                                seed=config.seed)
-        self.runner = ModelRunner(config, self.model_config, self.model, max_model_len)
+        # Tensor parallelism: ranks 1..N-1 are worker processes that mirror the model loading and runner
+        # construction below and then run every step this engine broadcasts (nibble/engine/worker.py).
+        self.workers = (WorkerGroup.start(config, self.model_dir, max_model_len)
+                        if config.tensor_parallel_size > 1 else None)
+        parallel = self.workers.context if self.workers is not None else None
+        try:
+            self.model = load_model(self.model_dir, self.model_config, self.kernels, dtype=config.torch_dtype,
+                                    device=self.device, load_format=config.load_format,
+                                    max_positions=max_model_len, seed=config.seed, parallel=parallel)
+            self.runner = ModelRunner(config, self.model_config, self.model, max_model_len, parallel=parallel,
+                                      broadcast=self.workers.broadcast if self.workers is not None else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots)
         capacity = self.blocks.num_usable_blocks * config.block_size
         if capacity < max_model_len:
@@ -87,6 +102,11 @@ class LLMEngine:
         logger.info("engine ready in %.1f s: %d KV blocks x %d tokens, %d state slots, max_model_len %d, device %s",
                     time.perf_counter() - t0, self.blocks.num_blocks, config.block_size,
                     self.blocks.num_state_slots, self.max_model_len, self.device)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one device); no step may follow."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @property
     def model_name(self) -> str:
@@ -112,6 +132,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                               f"has {len(prompt_ids)} tokens, which leaves no room to generate")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise RequestError(
@@ -121,7 +144,8 @@ class LLMEngine:
         if params.max_tokens is None:
             params.max_tokens = max_tokens
         if self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
-            raise OverflowError(f"the engine already holds {self.scheduler.num_unfinished} requests")
+            raise EngineOverloaded(f"the server is overloaded: {self.scheduler.num_unfinished} requests are "
+                                   "queued or running; retry later")
         req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
@@ -218,9 +242,14 @@ class LLMEngine:
         delta_text = state.text[state.sent_text:]
         state.sent_tokens = len(req.output_token_ids)
         state.sent_text = len(state.text)
+        # Finished outputs get their own lists; intermediate ones share the request's growing lists, so a
+        # step costs O(new tokens), not O(all tokens) (streaming consumers read the delta_* fields).
+        finished = req.finished
+        token_ids = list(req.output_token_ids) if finished else req.output_token_ids
+        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         out = CompletionOutput(
-            index=0, text=state.text, token_ids=list(req.output_token_ids),
-            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+            index=0, text=state.text, token_ids=token_ids,
+            logprobs=(list(logprobs) if finished else logprobs) if logprobs is not None else None,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, delta_text=delta_text,
             delta_token_ids=delta_ids, delta_logprobs=delta_lp)
         metrics = {"arrival_time": req.arrival_time}

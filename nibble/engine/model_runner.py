@@ -1,10 +1,17 @@
 """Turns a scheduled batch into a model step: sizes and owns the caches, builds ForwardBatch, runs the
-model (through CUDA graphs for decode when possible) and returns the logits of the rows to sample."""
+model (through CUDA graphs for decode when possible) and returns the logits of the rows to sample.
+
+Under tensor parallelism every rank has a ModelRunner over its share of the model and caches. Rank 0's
+`execute` turns the schedule into `StepInputs`, hands them to `broadcast` (the other ranks receive them in
+nibble/engine/worker.py) and runs `run`; the other ranks run the same `run`, so every rank takes the same
+path (graph or eager, same padded size) and their collectives match.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,21 +19,52 @@ from torch import nn
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs
 from nibble.engine.scheduler import ScheduledBatch
+from nibble.engine.step_inputs import StepInputs
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
-from nibble.models.config import ModelConfig
+from nibble.layers.parallel import SINGLE, ParallelContext
+from nibble.models.config import FULL_ATTENTION, ModelConfig
 
 logger = logging.getLogger("nibble.engine")
 
 CPU_DEFAULT_KV_GB = 0.25
 
 
+def rank_cache_bytes(model_config: ModelConfig, dims: dict[str, int], block_size: int, dtype: torch.dtype,
+                     kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of one sequence's GDN state) over all layers, for a rank whose cache
+    widths are `dims` (see `cache_dims()` of the model: num_kv_heads, num_v_heads, conv_dim)."""
+    num_full = sum(t == FULL_ATTENTION for t in model_config.layer_types)
+    num_linear = len(model_config.layer_types) - num_full
+    kv = 2 * num_full * dims["num_kv_heads"] * model_config.head_dim * kv_dtype.itemsize * block_size
+    conv = dims["conv_dim"] * (model_config.linear_conv_kernel_dim - 1) * dtype.itemsize
+    ssm = dims["num_v_heads"] * model_config.linear_key_head_dim * model_config.linear_value_head_dim * 4
+    return kv, num_linear * (conv + ssm)
+
+
+def model_cache_dims(model_config: ModelConfig, model: nn.Module) -> dict[str, int]:
+    """The model's cache widths on this rank (the config's when the model does not say)."""
+    dims = getattr(model, "cache_dims", None)
+    if dims is not None:
+        return dims()
+    return {"num_kv_heads": model_config.num_key_value_heads, "num_v_heads": model_config.linear_num_value_heads,
+            "conv_dim": model_config.linear_conv_dim}
+
+
 def cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
-                 device: torch.device) -> tuple[int, int]:
-    """(num_kv_blocks, num_state_slots) that fit the device's memory budget."""
+                 device: torch.device, parallel: ParallelContext = SINGLE) -> tuple[int, int]:
+    """(num_kv_blocks, num_state_slots) that fit the device's memory budget; under tensor parallelism,
+    the smallest block count any rank can hold, so that all ranks index the same blocks."""
+    num_blocks, num_slots = _rank_cache_budget(engine, model_config, max_model_len, model, device)
+    return parallel.host_min(num_blocks), num_slots
+
+
+def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
+                       device: torch.device) -> tuple[int, int]:
     dtype, kv_dtype = engine.torch_dtype, engine.kv_torch_dtype
     num_slots = engine.max_num_seqs + 1
-    state_bytes = num_slots * model_config.gdn_state_bytes_per_seq(dtype.itemsize)
-    block_bytes = engine.block_size * model_config.kv_cache_bytes_per_token(kv_dtype.itemsize)
+    dims = model_cache_dims(model_config, model)
+    block_bytes, seq_state_bytes = rank_cache_bytes(model_config, dims, engine.block_size, dtype, kv_dtype)
+    state_bytes = num_slots * seq_state_bytes
     if engine.extra.get("num_kv_blocks"):
         return int(engine.extra["num_kv_blocks"]), num_slots
     if device.type == "cuda":
@@ -56,7 +94,7 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
     num_tokens = engine.max_num_batched_tokens
     blocks = -(-num_tokens // engine.block_size) + 2
     scratch = ModelCaches.allocate(model_config, blocks, engine.block_size, 2, engine.torch_dtype,
-                                   engine.kv_torch_dtype, device)
+                                   engine.kv_torch_dtype, device, **model_cache_dims(model_config, model))
     batch = ForwardBatch.build([[1] * num_tokens], [0], [list(range(1, blocks))], [1], engine.block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -71,16 +109,25 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
 
 
 class ModelRunner:
-    def __init__(self, engine: EngineConfig, model_config: ModelConfig, model: nn.Module, max_model_len: int) -> None:
+    """Owns one rank's caches and runs steps. parallel: this rank's place in the tensor-parallel group;
+    broadcast (rank 0 of a group only): sends each step's inputs to the other ranks before running it."""
+
+    def __init__(self, engine: EngineConfig, model_config: ModelConfig, model: nn.Module, max_model_len: int,
+                 parallel: ParallelContext | None = None,
+                 broadcast: Callable[[StepInputs], None] | None = None) -> None:
         self.engine = engine
         self.model_config = model_config
         self.model = model
         self.device = engine.torch_device
         self.max_model_len = max_model_len
         self.block_size = engine.block_size
-        self.num_blocks, self.num_state_slots = cache_budget(engine, model_config, max_model_len, model, self.device)
+        self.parallel = parallel or SINGLE
+        self.broadcast = broadcast
+        self.num_blocks, self.num_state_slots = cache_budget(engine, model_config, max_model_len, model, self.device,
+                                                             self.parallel)
         self.caches = ModelCaches.allocate(model_config, self.num_blocks, self.block_size, self.num_state_slots,
-                                           engine.torch_dtype, engine.kv_torch_dtype, self.device)
+                                           engine.torch_dtype, engine.kv_torch_dtype, self.device,
+                                           **model_cache_dims(model_config, model))
         scales = getattr(model, "kv_scales", lambda: {})()
         if engine.kv_torch_dtype == torch.float8_e4m3fn:
             for layer_id, (ks, vs) in scales.items():
@@ -91,12 +138,15 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not engine.enforce_eager:
             self._capture_graphs()
+        if self.parallel.is_parallel and self.parallel.host_min(int(self.graphs is not None)) == 0:
+            # A rank replaying a graph while another runs eagerly would pad differently: all or none.
+            self.graphs = None
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size)
         graphs = DecodeGraphs(self.model, self.caches, max_bs, self.max_num_blocks_per_seq, self.max_model_len,
-                              self.device)
+                              self.device, thread_local_capture=self.parallel.is_parallel)
         try:
             graphs.capture()
         except Exception as e:  # any capture failure means: run eagerly
@@ -111,30 +161,33 @@ class ModelRunner:
         """Run one step; returns (fp32 logits [num_sample_rows, vocab] or None, indices into
         sched.requests of the rows to sample). Rows whose prefill chunk stops short of the end of their
         known tokens are not sampled."""
-        if sched.new_state_slots:
-            self.caches.reset_state_slots(sched.new_state_slots)
-        reqs = sched.requests
-        sample_rows = [i for i, (r, n) in enumerate(zip(reqs, sched.num_new_tokens))
-                       if r.num_computed_tokens + n == r.num_tokens]
-        if (self.graphs is not None and sched.is_decode and len(reqs) == len(sample_rows)
-                and self.graphs.padded_size(len(reqs)) is not None):
+        step = StepInputs.from_schedule(sched)
+        if self.broadcast is not None:
+            self.broadcast(step)
+        return self.run(step), step.sample_rows
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
+        sampled."""
+        if step.new_state_slots:
+            self.caches.reset_state_slots(step.new_state_slots)
+        num_seqs = step.num_seqs
+        sample_rows = step.sample_rows
+        if (self.graphs is not None and step.is_decode and num_seqs == len(sample_rows)
+                and self.graphs.padded_size(num_seqs) is not None):
             bs = self.block_size
-            pos = [r.num_computed_tokens for r in reqs]
+            pos = step.context_lens
             logits = self.graphs.run(
-                input_ids=[r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos)], positions=pos,
-                seq_lens=[p + 1 for p in pos], block_tables=[r.block_ids for r in reqs],
-                slot_mapping=[r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, pos)],
-                state_slots=[r.state_slot for r in reqs])  # type: ignore[misc]
-            return logits.clone(), sample_rows
-        tokens = [r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
-                  for r, n in zip(reqs, sched.num_new_tokens)]
-        batch = ForwardBatch.build(
-            tokens,
-            [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs],
-            [r.state_slot for r in reqs],  # type: ignore[misc]
-            self.block_size, self.device)
+                input_ids=[t[0] for t in step.token_ids], positions=pos,
+                seq_lens=[p + 1 for p in pos], block_tables=step.block_tables,
+                slot_mapping=[b[p // bs] * bs + p % bs for b, p in zip(step.block_tables, pos)],
+                state_slots=step.state_slots)
+            return logits.clone()
+        batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
+                                   self.block_size, self.device)
         hidden = self.model(batch, self.caches)
         if not sample_rows:
-            return None, []
-        idx = batch.logits_indices[sample_rows] if len(sample_rows) < len(reqs) else batch.logits_indices
-        return self.model.compute_logits(hidden[idx]), sample_rows
+            return None
+        idx = batch.logits_indices[sample_rows] if len(sample_rows) < num_seqs else batch.logits_indices
+        return self.model.compute_logits(hidden[idx])

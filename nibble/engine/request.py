@@ -33,7 +33,7 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Engine-side state of one request.
 
@@ -90,7 +90,11 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """Cumulative output of a request so far, plus what this step added."""
+    """Cumulative output of a request so far, plus what this step added.
+
+    While the request runs, `token_ids` and `logprobs` are the engine's own growing lists (not copies);
+    a finished output owns its lists.
+    """
 
     index: int
     text: str

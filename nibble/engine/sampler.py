@@ -83,13 +83,15 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return probs
 
 
+# The runner produces logits under inference mode; the in-place edits below (non-finite rows, penalties,
+# min_tokens) are only allowed on such tensors inside inference mode too.
+@torch.inference_mode()
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> SampleResult:
     """logits: fp32 [B, V] (one row per request, modified in place) -> sampled tokens and log-probs."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    bad_rows: list[int] = []
-    if not bool(finite.all()):
-        bad_rows = (~finite).nonzero().flatten().tolist()
-        logits[~finite] = 0.0
+    # NaN propagates through max and +-inf shows in max/min: two cheap reductions instead of a [B, V] mask.
+    hi, lo = torch.aminmax(logits, dim=-1)
+    bad = ~(torch.isfinite(hi) & torch.isfinite(lo))
+    logits.masked_fill_(bad[:, None], 0.0)
     want_logprobs = [r.sampling_params.logprobs for r in requests]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
 
@@ -107,7 +109,10 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
                 q[j].exponential_(generator=req.generator)
         sampled = torch.argmax(probs / q, dim=-1)
         tokens[idx] = sampled
-    token_list = tokens.tolist()
+    # One device->host transfer for the tokens and the non-finite flags.
+    host = torch.stack((tokens, bad.to(tokens.dtype))).tolist()
+    token_list = host[0]
+    bad_rows = [i for i, b in enumerate(host[1]) if b]
 
     logprobs: list[TokenLogprobs | None] = [None] * len(requests)
     if raw_logprobs is not None:

@@ -62,12 +62,16 @@ def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                   experts: MoEWeights) -> torch.Tensor:
     """x: [T, H]; topk_weights: fp32 [T, k]; topk_ids: int32 [T, k] -> [T, H] in x's dtype.
 
-    out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+    out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j], over the slots with
+    e >= 0: id -1 marks a slot routed to an expert this rank does not hold (expert parallelism), which
+    contributes nothing whatever its weight (a token whose slots are all -1 gets zeros).
     """
     inter = experts.intermediate_size
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
         tok, slot = torch.where(ids == e)
         w13, w2 = experts.expert(e, x.dtype)
         h = F.linear(x[tok], w13)

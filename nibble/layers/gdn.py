@@ -1,5 +1,12 @@
 """Gated DeltaNet (Qwen3.5's linear attention): projections, depthwise causal conv with state, the gated
-delta rule with a per-sequence recurrent state, gated RMSNorm and the output projection."""
+delta rule with a per-sequence recurrent state, gated RMSNorm and the output projection.
+
+Under tensor parallelism each rank holds num_k_heads / tp key heads and num_v_heads / tp value heads (the
+value heads its key heads serve, so the recurrence is rank-local). in_proj_qkv's output is
+[q (all key heads) | k (all key heads) | v (all value heads)]: a rank takes its heads' slice of each part,
+and the conv1d channels the same way; z, b, a, A_log and dt_bias go by value head; out_proj is
+row-parallel. The state pool of a rank holds its heads only.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +16,27 @@ from torch import nn
 
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.forward_batch import ForwardBatch, GDNState
-from nibble.layers.linear import FusedProjections, Linear
+from nibble.layers.linear import FusedProjections, RowParallelLinear
+from nibble.layers.parallel import SINGLE, ParallelContext, Partition
 from nibble.models.config import ModelConfig
 
 
 class GatedDeltaNet(nn.Module):
-    """hidden [T, hidden_size] -> [T, hidden_size] for one linear-attention layer.
-
-    `num_k_heads`/`num_v_heads` default to the config's; a tensor-parallel rank passes its share.
-    """
+    """hidden [T, hidden_size] -> [T, hidden_size] for one linear-attention layer (this rank's heads)."""
 
     def __init__(self, config: ModelConfig, prefix: str, kernels: KernelSet, dtype: torch.dtype,
-                 device: torch.device | str, num_k_heads: int | None = None,
-                 num_v_heads: int | None = None) -> None:
+                 device: torch.device | str, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.kernels = kernels
-        self.num_k_heads = num_k_heads or config.linear_num_key_heads
-        self.num_v_heads = num_v_heads or config.linear_num_value_heads
+        parallel.split(config.linear_num_key_heads, "linear_num_key_heads")
+        # A_log, dt_bias and the rows of in_proj_b / in_proj_a go by value head.
+        self.head_partition = parallel.split(config.linear_num_value_heads, "linear_num_value_heads")
+        key_part = parallel.split(config.linear_key_dim, "GDN key dim")
+        value_part = parallel.split(config.linear_value_dim, "GDN value dim")
+        # Rows of in_proj_qkv and channels of conv1d this rank keeps.
+        self.conv_partition = Partition.concat([key_part, key_part, value_part])
+        self.num_k_heads = config.linear_num_key_heads // parallel.tp_size
+        self.num_v_heads = config.linear_num_value_heads // parallel.tp_size
         self.key_head_dim = config.linear_key_head_dim
         self.value_head_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.key_head_dim
@@ -38,13 +49,14 @@ class GatedDeltaNet(nn.Module):
 
         self.in_proj = FusedProjections(
             config.hidden_size,
-            [("in_proj_qkv", self.conv_dim, quantized("in_proj_qkv")),
-             ("in_proj_z", self.value_dim, quantized("in_proj_z")),
-             ("in_proj_b", self.num_v_heads, quantized("in_proj_b")),
-             ("in_proj_a", self.num_v_heads, quantized("in_proj_a"))],
+            [("in_proj_qkv", self.conv_partition, quantized("in_proj_qkv")),
+             ("in_proj_z", value_part, quantized("in_proj_z")),
+             ("in_proj_b", self.head_partition, quantized("in_proj_b")),
+             ("in_proj_a", self.head_partition, quantized("in_proj_a"))],
             kernels=kernels, dtype=dtype, device=device)
-        self.out_proj = Linear(self.value_dim, [config.hidden_size], quantized=quantized("out_proj"),
-                               kernels=kernels, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(config.linear_value_dim, config.hidden_size,
+                                          quantized=quantized("out_proj"), kernels=kernels, dtype=dtype,
+                                          device=device, parallel=parallel)
         self.conv_weight = nn.Parameter(
             torch.empty(self.conv_dim, config.linear_conv_kernel_dim, dtype=dtype, device=device),
             requires_grad=False)

@@ -1,5 +1,13 @@
 """Qwen3.5's sparse MoE block: softmax top-k router (always BF16), routed experts (NVFP4 or dense),
-and a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+and a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+Two ways to spread the routed experts over tensor-parallel ranks: by default every rank holds every
+expert with the intermediate dim I split (w13's gate rows and up rows, w2's columns), so each rank computes
+a partial sum of every expert; with expert parallelism each rank holds num_experts / tp whole experts and
+computes those for all tokens. Either way each rank's routed output is a partial sum, as is the output of
+the shared expert (split like a dense MLP), and the block does a single all-reduce of their sum. The router
+and shared_expert_gate are replicated.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +18,70 @@ from torch import nn
 from nibble.formats.nvfp4 import GROUP_SIZE, NVFP4Tensor
 from nibble.kernels.kernel_set import KernelSet
 from nibble.kernels.moe import MoEWeights
-from nibble.layers.linear import FLOAT_DTYPES, FusedProjections, Linear, WeightLoadError, check_tensor
+from nibble.layers.linear import (
+    FLOAT_DTYPES,
+    FusedProjections,
+    Linear,
+    RowParallelLinear,
+    WeightLoadError,
+    check_tensor,
+)
+from nibble.layers.parallel import (
+    SINGLE,
+    ParallelContext,
+    ParallelError,
+    Partition,
+    TensorSource,
+    numel,
+    read_full,
+    read_partition,
+)
 from nibble.models.config import ModelConfig
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class RoutedExperts(nn.Module):
-    """Stacked experts: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], dense or NVFP4.
+    """This rank's stacked experts: w13 [E_local, 2 I_local, H] (gate rows then up rows), w2
+    [E_local, H, I_local], dense or NVFP4 (then with e4m3 block scales [.., K/16] and fp32 per-row global
+    scales [E_local, rows]).
 
-    `first_expert`/`num_local_experts` select the experts this rank holds under expert parallelism.
+    Tensor-parallel experts: E_local = num_experts, I_local = I / tp. Expert-parallel: experts
+    [first_expert, first_expert + num_local_experts) whole, I_local = I. Checkpoint expert ids are global.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, quantized: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
         self.quantized = quantized
-        e, h, i = num_experts, hidden_size, intermediate_size
+        if parallel.expert_parallel and parallel.is_parallel:
+            experts = parallel.split(num_experts, "num_experts (expert parallelism)")
+            self.inter_partition = Partition.whole(intermediate_size)
+        else:
+            experts = Partition.whole(num_experts)
+            self.inter_partition = parallel.split(intermediate_size, "moe_intermediate_size")
+        self.expert_partition = experts
+        self.first_expert = experts.ranges[0][0]
+        self.num_local_experts = experts.size
+        self.intermediate_size = self.inter_partition.size
+        e, h, i = self.num_local_experts, hidden_size, self.intermediate_size
         self.loaded: set[tuple[int, str, str]] = set()
 
         def p(*shape: int, dt: torch.dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dt, device=device), requires_grad=False)
 
         if quantized:
-            for d in (h, i):
-                if d % GROUP_SIZE:
-                    raise ValueError(f"NVFP4 experts need sizes divisible by {GROUP_SIZE}, got {d}")
+            if h % GROUP_SIZE:
+                raise ValueError(f"NVFP4 experts need sizes divisible by {GROUP_SIZE}, got {h}")
+            if i % GROUP_SIZE:
+                if parallel.is_parallel and not parallel.expert_parallel:
+                    raise ParallelError(
+                        f"NVFP4 experts: moe_intermediate_size {intermediate_size} / --tensor-parallel-size "
+                        f"{parallel.tp_size} = {i} is not a multiple of {GROUP_SIZE}; use a smaller "
+                        "--tensor-parallel-size or --enable-expert-parallel")
+                raise ValueError(f"NVFP4 experts need sizes divisible by {GROUP_SIZE}, got {i}")
             self.w13 = p(e, 2 * i, h // 2, dt=torch.uint8)
             self.w13_scale = p(e, 2 * i, h // GROUP_SIZE, dt=torch.float8_e4m3fn)
             self.w13_global = p(e, 2 * i, dt=torch.float32)
@@ -49,25 +92,44 @@ class RoutedExperts(nn.Module):
             self.w13 = p(e, 2 * i, h, dt=dtype)
             self.w2 = p(e, h, i, dt=dtype)
 
+    @property
+    def local_expert_ids(self) -> range:
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
     def weights(self) -> MoEWeights:
         if self.quantized:
             return MoEWeights(NVFP4Tensor(self.w13, self.w13_scale, self.w13_global),
                               NVFP4Tensor(self.w2, self.w2_scale, self.w2_global))
         return MoEWeights(self.w13, self.w2)
 
+    def localize(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under expert parallelism, global top-k (weights fp32 [T, k], ids int32 [T, k]) -> ids of this
+        rank's experts, with the slots routed to other ranks' experts given weight 0.
+
+        Those slots are sent to local expert 0 rather than marked -1, because the fused_moe contract does
+        not skip ids yet: their rows are computed and multiplied by 0 (wasted work, up to (tp-1)/tp of the
+        routed FLOPs) until fused_moe learns to skip id -1.
+        """
+        local = topk_ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local_experts)
+        ids = torch.where(mine, local, torch.zeros_like(local)).to(torch.int32)
+        return torch.where(mine, topk_weights, torch.zeros_like(topk_weights)), ids
+
     def _rows(self, proj: str) -> slice:
         i = self.intermediate_size
         return {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[proj]
 
-    def load_expert(self, name: str, expert: int, proj: str, kind: str, tensor: torch.Tensor) -> None:
+    def load_expert(self, name: str, expert: int, proj: str, kind: str, tensor: TensorSource) -> None:
         """One per-expert checkpoint tensor: proj in EXPERT_PROJS, kind in weight/weight_scale/
-        weight_scale_2/input_scale."""
+        weight_scale_2/input_scale. Only this rank's part is read; other ranks' experts are checked
+        (shape, dtype) but not read."""
         if not 0 <= expert < self.num_experts:
             raise WeightLoadError(f"tensor '{name}': expert {expert} out of range 0..{self.num_experts - 1}")
-        h, i = self.hidden_size, self.intermediate_size
-        out_dim, in_dim = (h, i) if proj == "down_proj" else (i, h)
-        rows = self._rows(proj)
+        h, i = self.hidden_size, self.inter_partition.full
         is13 = proj != "down_proj"
+        out_dim, in_dim = (i, h) if is13 else (h, i)
+        # gate/up keep this rank's rows of I, down its columns of I.
+        inter = self.inter_partition
         if kind == "input_scale":
             if not self.quantized:
                 raise WeightLoadError(f"tensor '{name}': NVFP4 input_scale but these experts are not quantized")
@@ -75,46 +137,59 @@ class RoutedExperts(nn.Module):
         if kind == "weight":
             if self.quantized:
                 check_tensor(name, tensor, (out_dim, in_dim // 2), (torch.uint8,))
+                parts = (inter,) if is13 else (None, inter.scaled(2, name))
             else:
                 if tensor.dtype == torch.uint8:
                     raise WeightLoadError(f"tensor '{name}': NVFP4 (uint8) expert weight, but the checkpoint "
                                           "has no NVFP4 quantization config for it")
                 check_tensor(name, tensor, (out_dim, in_dim), FLOAT_DTYPES)
-            (self.w13 if is13 else self.w2).data[expert, rows].copy_(tensor)
+                parts = (inter,) if is13 else (None, inter)
+            target = self.w13 if is13 else self.w2
         elif kind == "weight_scale" and self.quantized:
             check_tensor(name, tensor, (out_dim, in_dim // GROUP_SIZE), (torch.float8_e4m3fn,))
-            (self.w13_scale if is13 else self.w2_scale).data[expert, rows].copy_(tensor)
+            parts = (inter,) if is13 else (None, inter.scaled(GROUP_SIZE, name))
+            target = self.w13_scale if is13 else self.w2_scale
         elif kind == "weight_scale_2" and self.quantized:
-            if tensor.numel() != 1:
+            if numel(tensor) != 1:
                 raise WeightLoadError(f"tensor '{name}': expected a scalar, found shape {tuple(tensor.shape)}")
-            (self.w13_global if is13 else self.w2_global).data[expert, rows].fill_(float(tensor.float().reshape(())))
+            parts = None
+            target = self.w13_global if is13 else self.w2_global
         else:
             raise WeightLoadError(f"tensor '{name}': unexpected expert tensor kind '{kind}' "
                                   f"({'NVFP4' if self.quantized else 'dense'} experts)")
+        if expert not in self.local_expert_ids:
+            return
+        local = expert - self.first_expert
+        if parts is None:
+            target.data[local, self._rows(proj)].fill_(float(read_full(tensor).float().reshape(())))
+        else:
+            target.data[local, self._rows(proj)].copy_(read_partition(tensor, parts))
         self.loaded.add((expert, proj, kind))
 
-    def load_fused(self, name: str, which: str, tensor: torch.Tensor) -> None:
-        """Fused dense checkpoint tensors: gate_up_proj [E, 2I, H] or down_proj [E, H, I]."""
+    def load_fused(self, name: str, which: str, tensor: TensorSource) -> None:
+        """Fused dense checkpoint tensors: gate_up_proj [E, 2I, H] or down_proj [E, H, I] (this rank's
+        experts / its part of I only are read)."""
         if self.quantized:
             raise WeightLoadError(f"tensor '{name}': fused dense experts, but the quantization config makes "
                                   "these experts NVFP4")
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        e, h, i = self.num_experts, self.hidden_size, self.inter_partition.full
         if which == "gate_up_proj":
             check_tensor(name, tensor, (e, 2 * i, h), FLOAT_DTYPES)
-            self.w13.data.copy_(tensor)
+            rows = Partition.concat([self.inter_partition, self.inter_partition])
+            self.w13.data.copy_(read_partition(tensor, (self.expert_partition, rows)))
             projs = ("gate_proj", "up_proj")
         else:
             check_tensor(name, tensor, (e, h, i), FLOAT_DTYPES)
-            self.w2.data.copy_(tensor)
+            self.w2.data.copy_(read_partition(tensor, (self.expert_partition, None, self.inter_partition)))
             projs = ("down_proj",)
-        for ex in range(e):
+        for ex in self.local_expert_ids:
             for pr in projs:
                 self.loaded.add((ex, pr, "weight"))
 
     def missing(self) -> list[str]:
         kinds = ("weight", "weight_scale", "weight_scale_2") if self.quantized else ("weight",)
         out = []
-        for ex in range(self.num_experts):
+        for ex in self.local_expert_ids:
             for pr in EXPERT_PROJS:
                 for k in kinds:
                     if (ex, pr, k) not in self.loaded:
@@ -123,12 +198,13 @@ class RoutedExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """hidden [T, H] -> [T, H]."""
+    """hidden [T, H] -> [T, H] (summed over the tensor-parallel ranks)."""
 
     def __init__(self, config: ModelConfig, prefix: str, kernels: KernelSet, dtype: torch.dtype,
-                 device: torch.device | str, shared_intermediate_size: int | None = None) -> None:
+                 device: torch.device | str, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.kernels = kernels
+        self.parallel = parallel
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         h = config.hidden_size
@@ -138,22 +214,26 @@ class SparseMoE(nn.Module):
 
         self.gate = Linear(h, [config.num_experts], quantized=False, kernels=kernels, dtype=dtype, device=device)
         self.experts = RoutedExperts(config.num_experts, h, config.moe_intermediate_size,
-                                     quantized=quantized("experts"), dtype=dtype, device=device)
-        si = shared_intermediate_size or config.shared_expert_intermediate_size
+                                     quantized=quantized("experts"), dtype=dtype, device=device, parallel=parallel)
+        self.expert_parallel = self.experts.num_local_experts != config.num_experts
+        si = config.shared_expert_intermediate_size
+        si_part = parallel.split(si, "shared_expert_intermediate_size")
         self.shared_gate_up = FusedProjections(
-            h, [("shared_expert.gate_proj", si, quantized("shared_expert.gate_proj")),
-                ("shared_expert.up_proj", si, quantized("shared_expert.up_proj"))],
+            h, [("shared_expert.gate_proj", si_part, quantized("shared_expert.gate_proj")),
+                ("shared_expert.up_proj", si_part, quantized("shared_expert.up_proj"))],
             kernels=kernels, dtype=dtype, device=device)
-        self.shared_down = Linear(si, [h], quantized=quantized("shared_expert.down_proj"), kernels=kernels,
-                                  dtype=dtype, device=device)
+        self.shared_down = RowParallelLinear(si, h, quantized=quantized("shared_expert.down_proj"), kernels=kernels,
+                                             dtype=dtype, device=device, parallel=parallel, reduce_results=False)
         self.shared_expert_gate = Linear(h, [1], quantized=quantized("shared_expert_gate") and h % 16 == 0,
                                          kernels=kernels, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)
         topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize)
+        if self.expert_parallel:
+            topk_weights, topk_ids = self.experts.localize(topk_weights, topk_ids)
         routed = self.kernels.fused_moe(hidden, topk_weights, topk_ids, self.experts.weights())
         gate, up = self.shared_gate_up(hidden)
         shared = self.shared_down(F.silu(gate) * up)
         shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-        return routed + shared
+        return self.parallel.all_reduce(routed + shared)

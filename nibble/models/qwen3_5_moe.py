@@ -4,6 +4,11 @@ followed by a sparse MoE with a shared expert.
 The model computes with the kernels of the `KernelSet` it is built with, reads and writes the paged KV cache
 and the GDN state pool through `ForwardBatch`, and maps checkpoint tensors onto its parameters in
 `load_weights` (names normalised to the text-only layout `model.layers.N...`).
+
+Built with a `ParallelContext` of tp_size > 1, the model is one tensor-parallel rank: every layer holds its
+share of the weights (see nibble/layers/parallel.py), `load_weights` reads only that share of each
+checkpoint tensor (given lazily, see nibble/checkpoint/loader.py), `forward` returns the full hidden states
+on every rank (all-reduced after each row-parallel block) and `compute_logits` the full logits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from nibble.layers.gdn import GatedDeltaNet
 from nibble.layers.linear import FLOAT_DTYPES, FusedProjections, Linear, WeightLoadError, check_tensor
 from nibble.layers.moe import SparseMoE
 from nibble.layers.norm import RMSNorm
+from nibble.layers.parallel import SINGLE, ParallelContext, TensorSource, read_full, read_partition
 from nibble.layers.rotary import RotaryEmbedding
 from nibble.models.config import FULL_ATTENTION, ModelConfig
 
@@ -35,7 +41,7 @@ _LINEAR_KINDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, kernels: KernelSet, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_id}"
         self.layer_id = layer_id
@@ -43,11 +49,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, f"{prefix}.self_attn", kernels, rotary, dtype, device)
+            self.self_attn = GatedAttention(config, f"{prefix}.self_attn", kernels, rotary, dtype, device, parallel)
             self.kv_scales = [1.0, 1.0]
         else:
-            self.linear_attn = GatedDeltaNet(config, f"{prefix}.linear_attn", kernels, dtype, device)
-        self.mlp = SparseMoE(config, f"{prefix}.mlp", kernels, dtype, device)
+            self.linear_attn = GatedDeltaNet(config, f"{prefix}.linear_attn", kernels, dtype, device, parallel)
+        self.mlp = SparseMoE(config, f"{prefix}.mlp", kernels, dtype, device, parallel)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,20 +80,22 @@ class Qwen3_5MoeForCausalLM(nn.Module):
     [N, vocab]."""
 
     def __init__(self, config: ModelConfig, kernels: KernelSet, dtype: torch.dtype,
-                 device: torch.device | str, max_positions: int | None = None) -> None:
+                 device: torch.device | str, max_positions: int | None = None,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels
         self.dtype = dtype
         self.device = torch.device(device)
+        self.parallel = parallel = parallel or SINGLE
         max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, kernels, device)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, self.rotary, dtype, device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, self.rotary, dtype, device, parallel)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, device,
-                              tied=self.embed_tokens if config.tie_word_embeddings else None)
+                              tied=self.embed_tokens if config.tie_word_embeddings else None, parallel=parallel)
         self._loaded: set[str] = set()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
@@ -101,13 +109,26 @@ class Qwen3_5MoeForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def cache_dims(self) -> dict[str, int]:
+        """This rank's cache widths, as `ModelCaches.allocate` overrides: num_kv_heads, num_v_heads, conv_dim."""
+        dims = {"num_kv_heads": self.config.num_key_value_heads, "num_v_heads": self.config.linear_num_value_heads,
+                "conv_dim": self.config.linear_conv_dim}
+        for layer in self.layers:
+            if layer.is_full_attention:
+                dims["num_kv_heads"] = layer.self_attn.num_kv_heads
+            else:
+                dims["num_v_heads"] = layer.linear_attn.num_v_heads
+                dims["conv_dim"] = layer.linear_attn.conv_dim
+        return dims
+
     def kv_scales(self) -> dict[int, tuple[float, float]]:
         """FP8 KV-cache scales found in the checkpoint, per full-attention layer (1.0 when absent)."""
         return {layer.layer_id: (layer.kv_scales[0], layer.kv_scales[1])
                 for layer in self.layers if layer.is_full_attention}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (normalised names, streamed one at a time) into the parameters.
+    def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
+        """Copy checkpoint tensors (normalised names, streamed one at a time, in memory or lazily read) into
+        the parameters; of a lazy tensor only this rank's part is read.
 
         Raises WeightLoadError naming the tensor on any unknown name, shape or dtype mismatch; call
         `check_complete()` afterwards to find tensors the checkpoint lacked.
@@ -116,17 +137,17 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             self._load_one(name, tensor)
             self._loaded.add(name)
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _load_one(self, name: str, tensor: TensorSource) -> None:
         cfg = self.config
         if name == "model.embed_tokens.weight":
             check_tensor(name, tensor, (cfg.vocab_size, cfg.hidden_size), FLOAT_DTYPES)
-            self.embed_tokens.weight.data.copy_(tensor)
+            self.embed_tokens.load(tensor)
             return
         if name == "lm_head.weight":
             if self.lm_head.tied is not None:
                 return
             check_tensor(name, tensor, (cfg.vocab_size, cfg.hidden_size), FLOAT_DTYPES)
-            self.lm_head.weight.data.copy_(tensor)
+            self.lm_head.load(tensor)
             return
         if name == "model.norm.weight":
             self._load_norm(name, self.norm, tensor)
@@ -155,13 +176,13 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             raise WeightLoadError(f"tensor '{name}': not part of a Qwen3.5-MoE text model")
 
     @staticmethod
-    def _load_norm(name: str, norm: RMSNorm, tensor: torch.Tensor) -> None:
+    def _load_norm(name: str, norm: RMSNorm, tensor: TensorSource) -> None:
         check_tensor(name, tensor, tuple(norm.weight.shape), FLOAT_DTYPES)
-        norm.weight.data.copy_(tensor)
+        norm.weight.data.copy_(read_full(tensor))
 
     @staticmethod
     def _load_linear(name: str, target: Linear | FusedProjections, proj: str, kind: str,
-                     tensor: torch.Tensor) -> None:
+                     tensor: TensorSource) -> None:
         if kind not in _LINEAR_KINDS:
             raise WeightLoadError(f"tensor '{name}': unknown tensor kind '{kind}'")
         if isinstance(target, FusedProjections):
@@ -170,14 +191,14 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         else:
             target.load(name, kind, tensor)
 
-    def _load_attention(self, name: str, layer: DecoderLayer, rest: str, tensor: torch.Tensor) -> None:
+    def _load_attention(self, name: str, layer: DecoderLayer, rest: str, tensor: TensorSource) -> None:
         attn = layer.self_attn
         proj, _, kind = rest.partition(".")
         if rest in ("q_norm.weight", "k_norm.weight"):
             self._load_norm(name, attn.q_norm if proj == "q_norm" else attn.k_norm, tensor)
         elif kind in ("k_scale", "v_scale") or rest in ("k_scale", "v_scale"):
             scale_kind = kind or rest
-            layer.kv_scales[0 if scale_kind == "k_scale" else 1] = float(tensor.float().reshape(-1)[0])
+            layer.kv_scales[0 if scale_kind == "k_scale" else 1] = float(read_full(tensor).float().reshape(-1)[0])
         elif proj in ("q_proj", "k_proj", "v_proj"):
             self._load_linear(name, attn.qkv, proj, kind, tensor)
         elif proj == "o_proj":
@@ -185,30 +206,31 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         else:
             raise WeightLoadError(f"tensor '{name}': unknown attention tensor")
 
-    def _load_gdn(self, name: str, gdn: GatedDeltaNet, rest: str, tensor: torch.Tensor) -> None:
+    def _load_gdn(self, name: str, gdn: GatedDeltaNet, rest: str, tensor: TensorSource) -> None:
         proj, _, kind = rest.partition(".")
         if proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
             self._load_linear(name, gdn.in_proj, proj, kind, tensor)
         elif proj == "out_proj":
             self._load_linear(name, gdn.out_proj, proj, kind, tensor)
         elif rest == "conv1d.weight":
-            c, w = gdn.conv_weight.shape
-            if tensor.dim() == 3:
+            c, w = gdn.conv_partition.full, gdn.conv_weight.shape[1]
+            if len(tensor.shape) == 3:
                 check_tensor(name, tensor, (c, 1, w), FLOAT_DTYPES)
-                tensor = tensor[:, 0]
-            check_tensor(name, tensor, (c, w), FLOAT_DTYPES)
-            gdn.conv_weight.data.copy_(tensor)
+                gdn.conv_weight.data.copy_(read_partition(tensor, (gdn.conv_partition,))[:, 0])
+            else:
+                check_tensor(name, tensor, (c, w), FLOAT_DTYPES)
+                gdn.conv_weight.data.copy_(read_partition(tensor, (gdn.conv_partition,)))
         elif rest in ("A_log", "dt_bias"):
             param = getattr(gdn, rest)
-            check_tensor(name, tensor, tuple(param.shape), FLOAT_DTYPES)
-            param.data.copy_(tensor)
+            check_tensor(name, tensor, (gdn.head_partition.full,), FLOAT_DTYPES)
+            param.data.copy_(read_partition(tensor, (gdn.head_partition,)))
         elif rest == "norm.weight":
             check_tensor(name, tensor, tuple(gdn.norm_weight.shape), FLOAT_DTYPES)
-            gdn.norm_weight.data.copy_(tensor)
+            gdn.norm_weight.data.copy_(read_full(tensor))
         else:
             raise WeightLoadError(f"tensor '{name}': unknown linear-attention tensor")
 
-    def _load_moe(self, name: str, moe: SparseMoE, rest: str, tensor: torch.Tensor) -> None:
+    def _load_moe(self, name: str, moe: SparseMoE, rest: str, tensor: TensorSource) -> None:
         m = _EXPERT_RE.match(rest)
         if m is not None:
             moe.experts.load_expert(name, int(m.group(1)), m.group(2), m.group(3), tensor)

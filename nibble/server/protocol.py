@@ -27,6 +27,10 @@ def _now() -> int:
 # Template inputs that have their own request fields (and parameters of `Tokenizer.apply_chat_template`).
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 
+# Every stop string is searched for after every generated token, on the engine thread that serves all
+# requests: an unbounded list (100k strings added ~60 ms to each step of every request) is refused.
+MAX_STOP_STRINGS = 256
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -75,6 +79,8 @@ class _SamplingRequest(_Request):
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
         for s in [v] if isinstance(v, str) else v or []:
             if not s:
                 raise ValueError("stop strings must not be empty")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call = one run of this script: installs the carried wheels, then runs the named stages in order,
+# each under its own time limit, logging to $OUT/<stage>.log and printing a short summary at the end.
+#   bash benchmarks/gpu_session.sh env gputests kernels latency35 ...
+# Stages are listed in stage_* functions below. Needs: .whl/ carried (fla-core, fastapi stack).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+M=benchmarks/models
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+
+run() {  # run NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $((SECONDS - t0))s" | tee -a "$SUMMARY"
+  tail -n 25 "$OUT/$name.log" >> "$SUMMARY"
+}
+
+stage_env() {
+  run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
+}
+stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 260 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
+stage_kernels_full() { run kernels_full 480 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
+stage_doctor() { run doctor 240 python3 -m nibble.cli doctor --model $M/Qwen3.5-122B-A10B-NVFP4 --json; }
+stage_latency35() {
+  run latency35 300 python3 -m nibble.cli bench latency --model $M/Qwen3.5-35B-A3B-NVFP4 --load-format dummy \
+    --batch-sizes 1,8,32 --input-len 1024 --output-len 64 --output-json "$OUT/latency35.json"
+}
+stage_latency122() {
+  run latency122 540 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+    --batch-sizes 1,8,32 --input-len 1024 --output-len 64 --max-num-seqs 32 --output-json "$OUT/latency122.json"
+}
+
+stage_profile35() {
+  run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
+}
+stage_profile122() {
+  run profile122 300 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/profile122"
+}
+
+for s in "$@"; do "stage_$s"; done
+echo "=== summary"; cat "$SUMMARY"

@@ -1,0 +1,419 @@
+"""Kernel benchmark on one CUDA GPU: ceilings first (copy bandwidth, bf16 GEMM), then each op at decode and
+prefill sizes on the real Qwen3.5-122B-A10B / 397B-A17B layer shapes, with a torch baseline where one
+exists. Prints a markdown table last.
+
+    python benchmarks/kernels.py --out out/kernels.json --md out/kernels.md [--quick | --full] [--sweep-moe]
+
+Times are medians over CUDA-graph replays (launch overhead excluded, as in the engine's decode graphs)
+with the L2 cache flushed before each replay; ops that cannot be captured (fla's prefill syncs) are timed
+as plain calls. Bandwidth counts the bytes an op must move (MoE: only the experts the routing hits);
+"% ceil" is against the measured copy bandwidth (read + write) or bf16 GEMM rate. The MoE baseline is
+`fused_moe_ref`-style grouped cuBLAS GEMMs on bf16 expert weights stored in advance (no dequantisation
+time counted); the linear baseline is cuBLAS bf16 on the dense weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nibble.formats.nvfp4 import NVFP4Tensor
+from nibble.kernels.attention import store_kv
+from nibble.kernels.conv1d import causal_conv1d
+from nibble.kernels.fused_moe import fused_moe_launch
+from nibble.kernels.gated_delta import gated_delta_rule_fla, gated_delta_rule_recurrent
+from nibble.kernels.moe import MoEWeights
+from nibble.kernels.moe_route import route
+from nibble.kernels.norm import rms_norm
+from nibble.kernels.nvfp4_linear import nvfp4_linear_launch
+from nibble.kernels.paged_attention import paged_attention
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+MODELS = {
+    "122B": {"hidden": 3072, "experts": 256, "top_k": 8, "inter": 1024},
+    "397B": {"hidden": 4096, "experts": 512, "top_k": 10, "inter": 1024},
+}
+ATTN = {"hq": 32, "hk": 2, "d": 256}
+GDN = {"hk": 16, "hv": 64, "dk": 128, "dv": 128, "conv": 2 * 16 * 128 + 64 * 128, "width": 4}
+DECODE = (1, 8, 32, 128, 256)
+PREFILL = (2048, 8192)
+
+
+class Bench:
+    def __init__(self, budget_s: float, reps: int) -> None:
+        self.start = time.perf_counter()
+        self.budget = budget_s
+        self.reps = reps
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+        self.records: list[dict[str, Any]] = []
+        self.ceil: dict[str, float] = {}
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.start > self.budget
+
+    def time_ms(self, fn: Callable[[], Any], graph: bool = True, reps: int | None = None) -> tuple[float, bool]:
+        """Median milliseconds of fn (graph-replayed when possible), L2 flushed before each run."""
+        reps = reps or self.reps
+        fn()
+        torch.cuda.synchronize()
+        run = fn
+        if graph:
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fn()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                run = g.replay
+            except Exception:
+                torch.cuda.synchronize()
+                graph = False
+                run = fn
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self.flush.zero_()
+            starts[i].record()
+            run()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), graph
+
+    def add(self, **rec: Any) -> None:
+        self.records.append(rec)
+        us = rec.get("us")
+        rate = ""
+        if rec.get("tbps") is not None:
+            rate = f"{rec['tbps']:.2f} TB/s ({rec['pct']:.0f}%)"
+        elif rec.get("tflops") is not None:
+            rate = f"{rec['tflops']:.0f} TFLOP/s ({rec['pct']:.0f}%)"
+        base = f" baseline {rec['baseline_us']:.1f} us" if rec.get("baseline_us") else ""
+        err = f" ERROR {rec['error']}" if rec.get("error") else ""
+        print(f"[{time.perf_counter() - self.start:6.1f}s] {rec['model']:5} {rec['op']:16} {rec['case']:22} "
+              f"T={rec['tokens']:<5} {rec.get('variant', ''):8} "
+              f"{'' if us is None else f'{us:9.1f} us'} {rate}{base}{err}", flush=True)
+
+    def case(self, model: str, op: str, case: str, tokens: int, variant: str, fn: Callable[[], Any], *,
+             nbytes: float | None = None, flops: float | None = None, baseline: Callable[[], Any] | None = None,
+             graph: bool = True) -> None:
+        if self.out_of_time():
+            self.add(model=model, op=op, case=case, tokens=tokens, variant=variant, error="skipped (time budget)")
+            return
+        rec: dict[str, Any] = {"model": model, "op": op, "case": case, "tokens": tokens, "variant": variant}
+        try:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            rec["first_call_s"] = time.perf_counter() - t0
+            ms, graphed = self.time_ms(fn, graph)
+            rec.update(us=ms * 1e3, graph=graphed)
+            if nbytes is not None:
+                rec["tbps"] = nbytes / (ms * 1e-3) / 1e12
+                rec["pct"] = 100 * rec["tbps"] / self.ceil["copy_tbps"]
+            if flops is not None:
+                rec["tflops"] = flops / (ms * 1e-3) / 1e12
+                rec["pct"] = 100 * rec["tflops"] / self.ceil["gemm_tflops"]
+            if baseline is not None:
+                bms, _ = self.time_ms(baseline, graph)
+                rec["baseline_us"] = bms * 1e3
+                rec["speedup"] = bms / ms
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc()
+            torch.cuda.synchronize()
+        self.add(**rec)
+
+
+def ceilings(b: Bench) -> None:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms, _ = b.time_ms(lambda: dst.copy_(src), graph=False, reps=20)
+    b.ceil["copy_tbps"] = 2 * n / (ms * 1e-3) / 1e12
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    w = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    ms, _ = b.time_ms(lambda: a @ w, graph=False, reps=20)
+    b.ceil["gemm_tflops"] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    print(f"ceilings: copy {b.ceil['copy_tbps']:.2f} TB/s (read+write), bf16 GEMM {b.ceil['gemm_tflops']:.0f} TFLOP/s",
+          flush=True)
+
+
+def random_nvfp4(*shape: int) -> NVFP4Tensor:
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = (torch.rand(*lead, n, k // 16, device=DEV) * 2 + 0.05).to(torch.float8_e4m3fn)
+    return NVFP4Tensor(packed, scale, torch.full((*lead, n), 0.5 / k ** 0.5, device=DEV))
+
+
+def moe_baseline(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 inter: int) -> Callable[[], torch.Tensor]:
+    """fused_moe_ref-style per-expert cuBLAS on prestored bf16 weights; the grouping is precomputed."""
+    flat = ids.long()
+    groups = []
+    for e in torch.unique(flat).tolist():
+        tok, slot = torch.where(flat == e)
+        groups.append((e, tok, w[tok, slot, None]))
+
+    def run() -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=DEV)
+        for e, tok, tw in groups:
+            h = F.linear(x[tok], w13[e])
+            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])
+            out.index_add_(0, tok, y.float() * tw)
+        return out.to(x.dtype)
+
+    return run
+
+
+def bench_moe(b: Bench, model: str, sizes: tuple[int, ...], paths: bool, with_baseline: bool) -> None:
+    m = MODELS[model]
+    h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    per_expert = experts.w13.nbytes() // e + experts.w2.nbytes() // e
+    dense = None
+    if with_baseline:
+        dense = (torch.randn(e, 2 * inter, h, device=DEV, dtype=BF16) * h ** -0.5,
+                 torch.randn(e, h, inter, device=DEV, dtype=BF16) * inter ** -0.5)
+    for t in sizes:
+        x = torch.randn(t, h, device=DEV, dtype=BF16)
+        logits = torch.randn(t, e, device=DEV, dtype=BF16)
+        w, ids = route(logits, k)
+        hit = int(torch.unique(ids).numel())
+        nbytes = hit * per_expert + 2 * t * h * 2
+        flops = 2 * t * k * 3 * inter * h
+        kind = "decode" if t <= 256 else "prefill"
+        b.case(model, "route", kind, t, "triton", partial(route, logits, k), nbytes=t * e * 2)
+        base = moe_baseline(x, w, ids, dense[0], dense[1], inter) if dense is not None else None
+        b.case(model, "fused_moe", f"{kind} fp4 ({hit} exp)", t, "auto",
+               partial(fused_moe_launch, x, w, ids, experts), nbytes=nbytes,
+               flops=flops if kind == "prefill" else None, baseline=base)
+        if paths and t <= 256:
+            for p in ("gemv", "sorted"):
+                b.case(model, "fused_moe", f"{kind} fp4 ({hit} exp)", t, p,
+                       partial(fused_moe_launch, x, w, ids, experts, path=p), nbytes=nbytes)
+    del experts, dense
+    torch.cuda.empty_cache()
+
+
+def bench_linear(b: Bench, model: str, sizes: tuple[int, ...]) -> None:
+    h = MODELS[model]["hidden"]
+    for n, k, name in ((h, 8192, "o_proj-like"), (16384, h, "q_proj-like")):
+        w = random_nvfp4(n, k)
+        wd = torch.randn(n, k, device=DEV, dtype=BF16)
+        for t in sizes:
+            x = torch.randn(t, k, device=DEV, dtype=BF16)
+            nbytes = w.nbytes() + t * (k + n) * 2
+            big = t > 256
+            b.case(model, "nvfp4_linear", f"{name} {n}x{k}", t, "auto", partial(nvfp4_linear_launch, x, w),
+                   nbytes=None if big else nbytes, flops=2 * t * n * k if big else None,
+                   baseline=partial(F.linear, x, wd))
+
+
+def bench_attention(b: Bench, model: str, full: bool) -> None:
+    hq, hk, d = ATTN["hq"], ATTN["hk"], ATTN["d"]
+    page = 16
+    for kv_dtype in (BF16, torch.float8_e4m3fn):
+        esize = 1 if kv_dtype == torch.float8_e4m3fn else 2
+        tag = "fp8" if esize == 1 else "bf16"
+        cases = [(bs, 4096) for bs in DECODE] + [(1, 32768)] + ([(8, 32768), (1, 131072)] if full else [])
+        for bs, ctx in cases:
+            nb = bs * ctx // page
+            kc = torch.randn(nb + 1, page, hk, d, device=DEV).to(kv_dtype)
+            vc = torch.randn(nb + 1, page, hk, d, device=DEV).to(kv_dtype)
+            table = torch.randperm(nb, device=DEV).to(torch.int32).view(bs, ctx // page)
+            q = torch.randn(bs, hq, d, device=DEV, dtype=BF16)
+            cu = torch.arange(bs + 1, dtype=torch.int32, device=DEV)
+            lens = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
+            b.case(model, "paged_attention", f"decode {tag} ctx={ctx}", bs, "triton",
+                   partial(paged_attention, q, kc, vc, cu, lens, table, d ** -0.5, 1.0, 1.0, 1, ctx),
+                   nbytes=2 * bs * ctx * hk * d * esize)
+            del kc, vc
+        for t in PREFILL:
+            nb = t // page
+            kc = torch.randn(nb, page, hk, d, device=DEV).to(kv_dtype)
+            vc = torch.randn(nb, page, hk, d, device=DEV).to(kv_dtype)
+            table = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)
+            q = torch.randn(t, hq, d, device=DEV, dtype=BF16)
+            kn = torch.randn(t, hk, d, device=DEV, dtype=BF16)
+            slots = torch.arange(t, device=DEV)
+            cu = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+            lens = torch.tensor([t], dtype=torch.int32, device=DEV)
+            b.case(model, "store_kv", f"prefill {tag}", t, "triton",
+                   partial(store_kv, kn, kn, kc, vc, slots, 1.0, 1.0), nbytes=2 * t * hk * d * (2 + esize))
+            b.case(model, "paged_attention", f"prefill {tag} causal", t, "triton",
+                   partial(paged_attention, q, kc, vc, cu, lens, table, d ** -0.5, 1.0, 1.0, t, t),
+                   flops=2 * 2 * hq * d * t * t / 2)
+            del kc, vc
+
+
+def bench_gdn(b: Bench, model: str, full: bool) -> None:
+    hk, hv, dk, dv = GDN["hk"], GDN["hv"], GDN["dk"], GDN["dv"]
+    ch, width = GDN["conv"], GDN["width"]
+    slots_n = 300
+    ssm = torch.zeros(slots_n, hv, dk, dv, device=DEV)
+    conv = torch.zeros(slots_n, width - 1, ch, device=DEV, dtype=BF16)
+    for t in DECODE:
+        q, k = (torch.randn(t, hk, dk, device=DEV, dtype=BF16) for _ in range(2))
+        v = torch.randn(t, hv, dv, device=DEV, dtype=BF16)
+        g = -torch.rand(t, hv, device=DEV)
+        beta = torch.rand(t, hv, device=DEV, dtype=BF16)
+        slots = torch.randperm(slots_n, device=DEV)[:t].to(torch.int32)
+        cu = torch.arange(t + 1, dtype=torch.int32, device=DEV)
+        b.case(model, "gated_delta_rule", "decode (in place)", t, "triton",
+               partial(gated_delta_rule_recurrent, q, k, v, g, beta, ssm, cu, slots), nbytes=t * hv * dk * dv * 8)
+        x = torch.randn(t, ch, device=DEV, dtype=BF16)
+        wc = torch.randn(ch, width, device=DEV, dtype=BF16)
+        b.case(model, "causal_conv1d", "decode", t, "triton", partial(causal_conv1d, x, wc, conv, cu, slots),
+               nbytes=t * ch * 2 * (2 + 2 * (width - 1)))
+    for t in PREFILL if full else PREFILL[:1]:
+        q, k = (torch.randn(t, hk, dk, device=DEV, dtype=BF16) for _ in range(2))
+        v = torch.randn(t, hv, dv, device=DEV, dtype=BF16)
+        g = -torch.rand(t, hv, device=DEV) * 0.1
+        beta = torch.rand(t, hv, device=DEV, dtype=BF16)
+        slots = torch.tensor([3], dtype=torch.int32, device=DEV)
+        cu = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+        b.case(model, "gated_delta_rule", "prefill (fla chunk)", t, "fla",
+               partial(gated_delta_rule_fla, q, k, v, g, beta, ssm, cu, slots), graph=False)
+        x = torch.randn(t, ch, device=DEV, dtype=BF16)
+        wc = torch.randn(ch, width, device=DEV, dtype=BF16)
+        b.case(model, "causal_conv1d", "prefill", t, "triton", partial(causal_conv1d, x, wc, conv, cu, slots),
+               nbytes=t * ch * 4)
+
+
+def bench_norm(b: Bench, model: str, sizes: tuple[int, ...]) -> None:
+    h = MODELS[model]["hidden"]
+    w = torch.ones(h, device=DEV)
+    for t in sizes:
+        x, r = torch.randn(t, h, device=DEV, dtype=BF16), torch.randn(t, h, device=DEV, dtype=BF16)
+        b.case(model, "rms_norm", "fused residual", t, "triton", partial(rms_norm, x, w, 1e-6, r),
+               nbytes=4 * t * h * 2)
+
+
+SWEEP_GEMV = [dict(gemv_gu_block_n=bn, gemv_gu_block_k=bk, gemv_dn_block_n=dn, gemv_dn_block_k=dk, gemv_warps=wp,
+                   gemv_dn_pairs=pairs)
+              for bn, bk, dn, dk, wp, pairs in (
+                  (16, 512, 16, 512, 4, True), (16, 512, 16, 512, 4, False), (8, 512, 8, 512, 4, True),
+                  (8, 512, 8, 512, 4, False), (32, 256, 32, 256, 4, True), (16, 1024, 16, 1024, 8, True),
+                  (8, 1024, 8, 1024, 2, True), (32, 512, 32, 512, 8, True), (16, 256, 16, 256, 2, True),
+                  (4, 1024, 4, 1024, 2, True), (4, 512, 4, 512, 1, False))]
+SWEEP_SORTED = [dict(block_m=bm, gu_block_n=bn, gu_block_k=bk, dn_block_n=dn, dn_block_k=dk, gu_warps=wp,
+                     dn_warps=wp, gu_stages=st, dn_stages=st)
+                for bm, bn, bk, dn, dk, wp, st in (
+                    (16, 64, 128, 64, 128, 4, 2), (16, 32, 256, 64, 256, 4, 3), (16, 128, 128, 128, 128, 4, 3),
+                    (16, 64, 256, 128, 256, 8, 3), (32, 64, 128, 128, 128, 4, 3), (64, 64, 64, 128, 64, 4, 2),
+                    (64, 128, 64, 128, 64, 8, 3), (64, 128, 128, 256, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3),
+                    (32, 128, 128, 128, 128, 8, 4))]
+
+
+def sweep_moe(b: Bench, model: str) -> dict[str, Any]:
+    """Time tile configurations per token count; returns the best per size (for tuning/<device>.json)."""
+    m = MODELS[model]
+    h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    best: dict[str, Any] = {}
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192):
+        x = torch.randn(t, h, device=DEV, dtype=BF16)
+        w, ids = route(torch.randn(t, e, device=DEV), k)
+        trials = [("gemv", c) for c in SWEEP_GEMV] if t <= 16 else []
+        trials += [("sorted", c) for c in SWEEP_SORTED if t > 256 or c["block_m"] <= 32]
+        for path, cfg in trials:
+            if b.out_of_time():
+                break
+            try:
+                fused_moe_launch(x, w, ids, experts, path=path, config=cfg)
+                ms, _ = b.time_ms(partial(fused_moe_launch, x, w, ids, experts, path=path, config=cfg), reps=15)
+            except Exception as ex:
+                print(f"sweep T={t} {path} {cfg}: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
+                continue
+            print(f"sweep {model} T={t:5} {path:6} {ms * 1e3:9.1f} us {cfg}", flush=True)
+            if str(t) not in best or ms < best[str(t)]["ms"]:
+                best[str(t)] = {"ms": ms, "path": path, "config": cfg}
+    print("sweep best:", json.dumps(best, indent=1), flush=True)
+    return best
+
+
+def markdown(b: Bench) -> str:
+    lines = [f"Ceilings: copy {b.ceil['copy_tbps']:.2f} TB/s (read+write), bf16 GEMM "
+             f"{b.ceil['gemm_tflops']:.0f} TFLOP/s on {torch.cuda.get_device_name()}", "",
+             "| model | op | case | T | variant | us | rate | % ceil | baseline us | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in b.records:
+        if r.get("error"):
+            lines.append(f"| {r['model']} | {r['op']} | {r['case']} | {r['tokens']} | {r['variant']} | "
+                         f"{r['error']} | | | | |")
+            continue
+        rate = f"{r['tbps']:.2f} TB/s" if "tbps" in r else f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else ""
+        pct = f"{r['pct']:.0f}%" if "pct" in r else ""
+        base = f"{r['baseline_us']:.1f}" if "baseline_us" in r else ""
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        lines.append(f"| {r['model']} | {r['op']} | {r['case']} | {r['tokens']} | {r['variant']} | {r['us']:.1f} | "
+                     f"{rate} | {pct} | {base} | {sp} |")
+    moe = [r for r in b.records if r["op"] == "fused_moe" and r["variant"] == "auto" and "us" in r
+           and r["tokens"] <= 256]
+    if moe:
+        lines += ["", "MoE decode targets (>= 70% of copy bandwidth on the bytes read; faster than bf16 cuBLAS):"]
+        for r in moe:
+            ok_bw = r["pct"] >= 70
+            ok_base = r.get("speedup", 0) > 1
+            lines.append(f"- {r['model']} T={r['tokens']}: {r['pct']:.0f}% {'OK' if ok_bw else 'MISS'}, "
+                         f"{r.get('speedup', float('nan')):.2f}x vs baseline {'OK' if ok_base else 'MISS'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write all records as JSON here")
+    ap.add_argument("--md", type=Path, help="write the markdown table here")
+    ap.add_argument("--quick", action="store_true", help="122B only, few sizes")
+    ap.add_argument("--full", action="store_true", help="every case (may exceed 6 minutes)")
+    ap.add_argument("--sweep-moe", action="store_true", help="time MoE tile configurations (122B) instead")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining cases after this many seconds")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    b = Bench(float("inf") if args.full else args.budget_s, args.reps)
+    ceilings(b)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "ceilings": b.ceil}
+    if args.sweep_moe:
+        result["sweep"] = {"122B": sweep_moe(b, "122B")}
+    else:
+        models = ("122B",) if args.quick else tuple(MODELS)
+        decode = (1, 32) if args.quick else DECODE
+        prefill = (2048,) if args.quick else PREFILL
+        for model in models:
+            bench_moe(b, model, decode + prefill, paths=not args.quick, with_baseline=True)
+        bench_linear(b, models[0], decode + prefill)
+        bench_attention(b, models[0], args.full)
+        bench_gdn(b, models[0], args.full)
+        bench_norm(b, models[0], (1, 256, 8192))
+    result["records"] = b.records
+    md = markdown(b)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

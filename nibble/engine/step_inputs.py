@@ -1,0 +1,97 @@
+"""The host-side description of one engine step, independent of `Request` objects so that tensor-parallel
+rank 0 can send it to the other ranks: which tokens each sequence feeds, where its KV blocks and GDN slot
+are, which slots to zero first and which rows to sample. Positions, slot mapping and cu_seqlens follow from
+these on every rank (`ForwardBatch.build`), so they are not sent.
+
+On the wire a step is one int32 tensor:
+[num_seqs, num_new_slots, num_sample_rows, query_lens (num_seqs), context_lens (num_seqs),
+ block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows, token ids (all
+ sequences), block ids (all sequences)].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate, chain
+
+import numpy as np
+import torch
+
+from nibble.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    """One step. token_ids[i]: the tokens sequence i feeds; context_lens[i]: its tokens already cached;
+    block_tables[i]: its KV block ids (enough for context + new tokens); state_slots[i]: its GDN slot;
+    new_state_slots: slots to zero before the step; sample_rows: sequences whose logits are wanted (those
+    whose prefill reaches the end of their known tokens)."""
+
+    token_ids: list[list[int]]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    state_slots: list[int]
+    new_state_slots: list[int]
+    sample_rows: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(len(t) == 1 for t in self.token_ids)
+
+    @classmethod
+    def from_schedule(cls, sched: ScheduledBatch) -> StepInputs:
+        reqs = sched.requests
+        return cls(
+            token_ids=[r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
+                       for r, n in zip(reqs, sched.num_new_tokens)],
+            context_lens=[r.num_computed_tokens for r in reqs],
+            block_tables=[r.block_ids for r in reqs],
+            state_slots=[r.state_slot for r in reqs],  # type: ignore[misc]
+            new_state_slots=list(sched.new_state_slots),
+            sample_rows=[i for i, (r, n) in enumerate(zip(reqs, sched.num_new_tokens))
+                         if r.num_computed_tokens + n == r.num_tokens],
+        )
+
+    def pack(self) -> torch.Tensor:
+        """int32 [message length] (layout in the module docstring)."""
+        n = self.num_seqs
+        head = [n, len(self.new_state_slots), len(self.sample_rows)]
+        flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
+                     (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
+                     self.sample_rows, chain.from_iterable(self.token_ids),
+                     chain.from_iterable(self.block_tables))
+        count = 3 + 4 * n + len(self.new_state_slots) + len(self.sample_rows)
+        count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
+        # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
+        return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
+
+    @classmethod
+    def unpack(cls, message: torch.Tensor) -> StepInputs:
+        v = message.numpy().tolist()
+        n, n_new, n_sample = v[0], v[1], v[2]
+        pos = 3
+
+        def take(count: int) -> list[int]:
+            nonlocal pos
+            out = v[pos:pos + count]
+            pos += count
+            return out
+
+        query_lens, context_lens, table_lens, state_slots = take(n), take(n), take(n), take(n)
+        new_state_slots, sample_rows = take(n_new), take(n_sample)
+        tokens = take(sum(query_lens))
+        blocks = take(sum(table_lens))
+        tok_cu = [0, *accumulate(query_lens)]
+        blk_cu = [0, *accumulate(table_lens)]
+        return cls(
+            token_ids=[tokens[tok_cu[i]:tok_cu[i + 1]] for i in range(n)],
+            context_lens=context_lens,
+            block_tables=[blocks[blk_cu[i]:blk_cu[i + 1]] for i in range(n)],
+            state_slots=state_slots,
+            new_state_slots=new_state_slots,
+            sample_rows=sample_rows,
+        )

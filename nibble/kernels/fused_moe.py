@@ -1,0 +1,244 @@
+"""Fused MoE experts (Triton): NVFP4 (W4A16) or 16/32-bit expert weights; the contract and the torch
+reference are `moe.fused_moe_ref` (expert id -1 = a slot of another expert-parallel rank, skipped).
+
+Two paths, picked per call from the token count (tuning tables `fused_moe` for NVFP4 experts,
+`fused_moe_dense` otherwise; host ints only, no sync, a fixed grid per T: CUDA-graph safe):
+- `gemv` (small decode batches): one block per (token, expert) pair, no sorting launch;
+- `sorted` (larger batches, prefill): pairs sorted by expert (moe_align.py) into blocks of one expert.
+NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py (gate_up with SiLU*up fused;
+down with the routing weight fused, then either a fixed-order top-k sum or, in the `gemv` path, a per-token
+down kernel that sums the k experts itself: 2 launches in all). Dense experts run the older per-pair GEMV
+(moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select
+for NVFP4 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound
+the [pairs, H] intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nibble.formats.nvfp4 import NVFP4Tensor
+from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
+from nibble.kernels.moe import MoEWeights
+from nibble.kernels.moe_align import moe_align
+from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
+from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
+from nibble.kernels.moe_w4 import (
+    moe_w4_down_kernel,
+    moe_w4_down_token_kernel,
+    moe_w4_down_token_split_kernel,
+    moe_w4_gate_up_kernel,
+    moe_w4_gate_up_split_kernel,
+)
+from nibble.kernels.tuning_tables import lookup
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _weight_args(w: torch.Tensor | NVFP4Tensor, n: int, k: int, num_experts: int, name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """(values, block scales as uint8, global scales, (stride_qe, stride_qn, stride_se, stride_sn))."""
+    if isinstance(w, NVFP4Tensor):
+        q, s, g = w.packed, w.block_scale, w.global_scale
+        if q.shape != (num_experts, n, k // 2) or s.shape != (num_experts, n, k // 16) or g.shape != (num_experts, n):
+            raise ValueError(f"fused_moe: {name} NVFP4 shapes {tuple(q.shape)}/{tuple(s.shape)}/{tuple(g.shape)} "
+                             f"for [{num_experts}, {n}, {k}]")
+        if q.dtype != torch.uint8 or s.dtype != torch.float8_e4m3fn or g.dtype != torch.float32:
+            raise ValueError(f"fused_moe: {name} NVFP4 dtypes {q.dtype}/{s.dtype}/{g.dtype}")
+        if q.stride(2) != 1 or s.stride(2) != 1 or not g.is_contiguous():
+            raise ValueError(f"fused_moe: {name} NVFP4 tensors must be contiguous along K")
+        s = s.view(torch.uint8)
+        return q, s, g, (q.stride(0), q.stride(1), s.stride(0), s.stride(1))
+    if w.shape != (num_experts, n, k) or w.stride(2) != 1 or w.dtype not in ACT_DTYPES:
+        raise ValueError(f"fused_moe: {name} {w.dtype} {tuple(w.shape)} (strides {w.stride()}) for "
+                         f"[{num_experts}, {n}, {k}] contiguous along K")
+    return w, w, w, (w.stride(0), w.stride(1), 0, 0)
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              experts: MoEWeights) -> torch.Tensor:
+    """Triton `fused_moe_ref`: x [T, H], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H]."""
+    return fused_moe_launch(x, topk_weights, topk_ids, experts)
+
+
+def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+                     *, path: str = "auto", config: dict[str, Any] | None = None) -> torch.Tensor:
+    """`fused_moe` with the path ('auto', 'gemv', 'sorted', 'generic_gemv', 'generic_sorted') and tuning
+    fields overridable (tests, benchmarks)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in ACT_DTYPES:
+        raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32 with contiguous H, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    t, h = x.shape
+    e, inter = experts.num_experts, experts.intermediate_size
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype != torch.int32:
+        raise ValueError(f"fused_moe: topk_ids must be int32 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    if topk_weights.shape != (t, top_k) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"fused_moe: topk_weights must be fp32 [T, k], got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+    if experts.hidden_size != h:
+        raise ValueError(f"fused_moe: experts have hidden size {experts.hidden_size}, x has {h}")
+    fp4 = experts.is_nvfp4
+    if fp4 and (h % 16 or inter % 16):
+        raise ValueError(f"fused_moe: NVFP4 needs H and I multiples of 16, got {h}, {inter}")
+    q13, s13, g13, st13 = _weight_args(experts.w13, 2 * inter, h, e, "w13")
+    q2, s2, g2, st2 = _weight_args(experts.w2, h, inter, e, "w2")
+    devs = {x.device, topk_weights.device, topk_ids.device, q13.device, q2.device}
+    if len(devs) != 1:
+        raise ValueError("fused_moe: tensors on different devices")
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    ids = topk_ids.contiguous()
+    tw = topk_weights.contiguous()
+    key = {"tokens": t, "fp4": fp4, "hidden": h, "inter": inter, "experts": e, "top_k": top_k}
+    generic = path.startswith("generic_") or not fp4
+    cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
+    cfg.update(config or {})
+    if path == "auto":
+        path = cfg["path"]
+    path = path.removeprefix("generic_")
+    if path not in ("gemv", "sorted"):
+        raise ValueError(f"fused_moe: unknown path {path!r}")
+    if generic:
+        _generic(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg)
+    else:
+        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg)
+    return out
+
+
+def _decode_mode(dtype: torch.dtype) -> int:
+    """`fp4_decode4` variant: inline-PTX bf16/fp16 on the GPU, plain fp32 for fp32 activations and under the
+    interpreter (which runs no PTX and computes 16-bit types on raw bits anyway)."""
+    if interpreting() or dtype == torch.float32:
+        return 0
+    return 1 if dtype == torch.bfloat16 else 2
+
+
+def _units(q: torch.Tensor, st: tuple[int, int, int, int]) -> tuple[torch.Tensor, int, int]:
+    """Packed FP4 bytes [E, N, K/2] viewed as int16 units of 4 codes, with strides in units."""
+    if q.stride(0) % 2 or q.stride(1) % 2 or q.storage_offset() % 2 or q.shape[-1] % 2:
+        q = q.contiguous()
+        st = (q.stride(0), q.stride(1), *st[2:])
+    return q.view(torch.int16), st[0] // 2, st[1] // 2
+
+
+def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int, top_k: int,
+        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
+    """NVFP4 experts through moe_w4.py (see the module docstring)."""
+    t, h = x.shape
+    q13, s13, g13, st13 = w13
+    q2, s2, g2, st2 = w2
+    u13, sq13e, sq13n = _units(q13, st13)
+    u2, sq2e, sq2n = _units(q2, st2)
+    dec = _decode_mode(x.dtype)
+    gbn, gbk = cfg["gu_block_n"], cfg["gu_block_k"]
+    dbn, dbk = cfg["dn_block_n"], cfg["dn_block_k"]
+    gkw = {"num_warps": cfg["gu_warps"], "num_stages": cfg["gu_stages"]}
+    dkw = {"num_warps": cfg["dn_warps"], "num_stages": cfg["dn_stages"]}
+    if path == "gemv":
+        bt = 16  # one pair per block: the MMA's narrowest token side
+        act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+        flat = ids.view(-1)
+        gsp, dsp = cfg["gu_split"], cfg["dn_split"]
+        if gsp:
+            moe_w4_gate_up_split_kernel[(t * top_k, cdiv(inter, gbn))](
+                x, u13, s13, g13, act, flat, top_k, h, inter, x.stride(0), sq13e, sq13n, st13[2], st13[3],
+                act.stride(0), DEC=dec, EVEN_K=h % (gsp * gbk) == 0, SPLIT=gsp, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
+        else:
+            moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
+                x, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, x.stride(0), sq13e, sq13n,
+                st13[2], st13[3], act.stride(0), SORTED=False, DEC=dec, EVEN_K=h % gbk == 0, BLOCK_T=bt,
+                BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
+        if cfg["dn_token"] and dsp:
+            moe_w4_down_token_split_kernel[(t, cdiv(h, dbn))](
+                act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
+                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % (dsp * dbk) == 0, SPLIT=dsp, BLOCK_N=dbn,
+                BLOCK_K=dbk, **dkw)
+            return
+        if cfg["dn_token"]:
+            moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
+                act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
+                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn,
+                BLOCK_K=dbk, **dkw)
+            return
+        y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
+        moe_w4_down_kernel[(t * top_k, cdiv(h, dbn))](
+            act, u2, s2, g2, y, tw, flat, flat, flat, flat, flat, h, inter, act.stride(0), sq2e, sq2n, st2[2],
+            st2[3], y.stride(0), SORTED=False, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn,
+            BLOCK_K=dbk, **dkw)
+        moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024,
+                                              num_warps=4)
+        return
+    bt = cfg["block_t"]
+    chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
+    act = torch.empty((chunk * top_k, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
+    for c0 in range(0, t, chunk):
+        c1 = min(t, c0 + chunk)
+        ids_c = ids[c0:c1]
+        al = moe_align(ids_c, e, bt)
+        blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
+        flat = ids_c.view(-1)
+        moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
+            x[c0:c1], u13, s13, g13, act, flat, *blk, top_k, h, inter, x.stride(0), sq13e, sq13n, st13[2],
+            st13[3], act.stride(0), SORTED=True, DEC=dec, EVEN_K=h % gbk == 0, BLOCK_T=bt, BLOCK_N=gbn,
+            BLOCK_K=gbk, **gkw)
+        moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
+            act, u2, s2, g2, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
+            y.stride(0), SORTED=True, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn, BLOCK_K=dbk,
+            **dkw)
+        moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
+                                                    TOP_K=top_k, BLOCK=1024, num_warps=4)
+
+
+def _generic(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,
+             top_k: int, fp4: bool, w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
+    """Dense (or, on request, NVFP4) experts through the per-pair GEMV / grouped GEMM kernels."""
+    t, h = x.shape
+    q13, s13, g13, st13 = w13
+    q2, s2, g2, st2 = w2
+    prec = dot_precision(x.dtype)
+    if path == "gemv":
+        act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+        bn, bk = cfg["gemv_gu_block_n"], min(cfg["gemv_gu_block_k"], triton.next_power_of_2(h))
+        moe_gate_up_gemv_kernel[(t * top_k, cdiv(inter, bn))](
+            x, q13, s13, g13, act, ids, top_k, h, inter, x.stride(0), *st13, act.stride(0), W_FP4=fp4,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["gemv_warps"])
+        bn, bk = cfg["gemv_dn_block_n"], min(cfg["gemv_dn_block_k"], triton.next_power_of_2(inter))
+        if not cfg["gemv_dn_pairs"]:
+            moe_down_gemv_kernel[(t, cdiv(h, bn))](
+                act, q2, s2, g2, out, ids, tw, h, inter, act.stride(0), *st2, out.stride(0), TOP_K=top_k,
+                W_FP4=fp4, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["gemv_warps"])
+            return
+        y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
+        moe_down_pair_gemv_kernel[(t * top_k, cdiv(h, bn))](
+            act, q2, s2, g2, y, ids, tw, h, inter, act.stride(0), *st2, y.stride(0), W_FP4=fp4, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=cfg["gemv_warps"])
+        moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, ids, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024,
+                                              num_warps=4)
+        return
+    bm = cfg["block_m"]
+    chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
+    act = torch.empty((chunk * top_k, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
+    for c0 in range(0, t, chunk):
+        c1 = min(t, c0 + chunk)
+        ids_c = ids[c0:c1]
+        al = moe_align(ids_c, e, bm)
+        grid_m = al.max_blocks
+        bn = cfg["gu_block_n"]
+        moe_gate_up_kernel[(grid_m, cdiv(inter, bn))](
+            x[c0:c1], q13, s13, g13, act, al.sorted_ids, al.block_expert, al.expert_start, al.expert_count,
+            top_k, h, inter, x.stride(0), *st13, act.stride(0), W_FP4=fp4, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=cfg["gu_block_k"], DOT_PREC=prec, num_warps=cfg["gu_warps"], num_stages=cfg["gu_stages"])
+        bn = cfg["dn_block_n"]
+        moe_down_kernel[(grid_m, cdiv(h, bn))](
+            act, q2, s2, g2, y, tw[c0:c1], al.sorted_ids, al.block_expert, al.expert_start, al.expert_count,
+            h, inter, act.stride(0), *st2, y.stride(0), W_FP4=fp4, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=cfg["dn_block_k"], DOT_PREC=prec, num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
+        block = 1024
+        moe_reduce_kernel[(c1 - c0, cdiv(h, block))](
+            y, out[c0:c1], ids_c, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)

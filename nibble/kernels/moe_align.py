@@ -1,0 +1,165 @@
+"""Sorting (token, expert) pairs by expert for the grouped MoE GEMMs, on the GPU and without a host sync.
+
+Pair p = t * top_k + j routes token t to expert topk_ids[t, j]. The pairs of each expert are laid out
+contiguously in `sorted_ids`, each expert's segment starting at a multiple of BLOCK_M, so that every
+BLOCK_M-row block of the grouped GEMM belongs to one expert (`block_expert`, -1 past the end). Buffers are
+sized for the worst case (every expert hit leaves a partly filled block), so the host never needs the
+counts. Padding entries of `sorted_ids` are left unwritten: the GEMMs mask rows past
+`expert_start + expert_count` instead. Order inside an expert segment depends on atomics, which is
+harmless: each pair's result lands in its own row, so outputs do not depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nibble.kernels._triton import cdiv, next_pow2, tl, triton
+
+SMALL_PAIRS = 4096
+
+
+@dataclass
+class MoEAlignment:
+    """sorted_ids: int32 [max_padded] pair ids by expert; block_expert: int32 [max_blocks];
+    expert_start / expert_count: int32 [E]; block_m: rows per block."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    expert_start: torch.Tensor
+    expert_count: torch.Tensor
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.block_expert.shape[0])
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
+    e = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    mask = mask & (e >= 0)  # id -1: a slot of another expert-parallel rank, in no block
+    # the old value of the per-expert counter is this pair's rank inside its expert
+    r = tl.atomic_add(counts_ptr + e, 1, mask=mask)
+    tl.store(rank_ptr + offs, r, mask=mask)
+
+
+@triton.jit
+def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
+          BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    emask = e < n_exp
+    # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
+    c = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+    nblk = tl.cdiv(c, BLOCK_M)
+    end_blk = tl.cumsum(nblk, axis=0)
+    start_blk = end_blk - nblk
+    tl.store(start_ptr + e, start_blk * BLOCK_M, mask=emask)
+    for i in range(0, tl.max(nblk, axis=0)):
+        tl.store(block_expert_ptr + start_blk + i, e, mask=emask & (i < nblk))
+    total = tl.sum(nblk, axis=0)
+    f = tl.arange(0, FILL)
+    for b0 in range(total, max_blocks, FILL):
+        tl.store(block_expert_ptr + b0 + f, -1, mask=b0 + f < max_blocks)
+
+
+@triton.jit
+def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
+    e = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    mask = mask & (e >= 0)
+    r = tl.load(rank_ptr + offs, mask=mask, other=0)
+    s = tl.load(start_ptr + e, mask=mask, other=0, cache_modifier=".cg")
+    tl.store(sorted_ptr + s + r, offs, mask=mask)
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs,
+                        n_exp, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                        FILL: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < n_exp)
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK_P)
+    mask = offs < n_pairs
+    _count(ids_ptr, counts_ptr, rank_ptr, offs, mask)
+    tl.debug_barrier()
+    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+    tl.debug_barrier()
+    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n_pairs, BLOCK_P: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    _count(ids_ptr, counts_ptr, rank_ptr, offs, offs < n_pairs)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """topk_ids: int32 [T, k] (contiguous) -> MoEAlignment. One single-program launch for up to
+    SMALL_PAIRS pairs (decode), otherwise a zeroing memset and three kernels (count with atomics, scan,
+    scatter)."""
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise ValueError(f"moe_align: topk_ids must be contiguous int32 [T, k], got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    if block_m & (block_m - 1):
+        raise ValueError(f"moe_align: block_m {block_m} is not a power of two")
+    dev = topk_ids.device
+    n_pairs = topk_ids.numel()
+    max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
+    max_blocks = max_padded // block_m
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(n_pairs, dtype=torch.int32, device=dev)
+    block_e = next_pow2(num_experts)
+    fill = 1024
+    if n_pairs <= SMALL_PAIRS:
+        counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        _align_small_kernel[(1,)](
+            topk_ids, counts, rank, start, block_expert, sorted_ids, n_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)), FILL=fill, num_warps=8)
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        block_p = 1024
+        grid = (cdiv(n_pairs, block_p),)
+        _count_kernel[grid](topk_ids, counts, rank, n_pairs, BLOCK_P=block_p, num_warps=4)
+        _scan_kernel[(1,)](counts, start, block_expert, num_experts, max_blocks, BLOCK_M=block_m,
+                           BLOCK_E=block_e, FILL=fill, num_warps=4)
+        _scatter_kernel[grid](topk_ids, rank, start, sorted_ids, n_pairs, BLOCK_P=block_p, num_warps=4)
+    return MoEAlignment(sorted_ids, block_expert, start, counts, block_m)
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Torch version of `moe_align` (stable order inside each expert), for tests."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    n_pairs = flat.numel()
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    nblk = (counts + block_m - 1) // block_m
+    start = (torch.cumsum(nblk, 0) - nblk) * block_m
+    max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
+    sorted_ids = torch.full((max_padded,), -1, dtype=torch.int32, device=dev)
+    block_expert = torch.full((max_padded // block_m,), -1, dtype=torch.int32, device=dev)
+    for e in range(num_experts):
+        pairs = torch.nonzero(flat == e).flatten()
+        s = int(start[e])
+        sorted_ids[s:s + pairs.numel()] = pairs.to(torch.int32)
+        block_expert[s // block_m:s // block_m + int(nblk[e])] = e
+    return MoEAlignment(sorted_ids, block_expert, start.to(torch.int32), counts.to(torch.int32), block_m)

@@ -1,0 +1,60 @@
+"""Top-k softmax routing (Triton); the contract and the torch reference are `moe.route_ref`."""
+
+from __future__ import annotations
+
+import torch
+
+from nibble.kernels._triton import next_pow2, tl, triton
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_tok, n_exp, stride_l, TOP_K: tl.constexpr,
+                  RENORM: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, BLOCK_E)
+    rmask = rows < n_tok
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + e[None, :],
+                mask=rmask[:, None] & (e[None, :] < n_exp), other=0.0).to(tl.float32)
+    x = tl.where(e[None, :] < n_exp, x, float("-inf"))
+    m = tl.max(x, axis=1)
+    p = tl.exp(x - m[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    kk = tl.arange(0, K_PAD)
+    top_w = tl.zeros([ROWS, K_PAD], tl.float32)
+    top_i = tl.zeros([ROWS, K_PAD], tl.int32)
+    # k rounds of arg-max; ties go to the lowest expert id
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        idx = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
+        # A row with NaN/Inf logits matches no expert; clamping keeps its ids in range (its weights stay NaN
+        # and only its own output is poisoned) instead of sending the MoE kernels past the last expert.
+        idx = tl.minimum(idx, n_exp - 1)
+        top_w = tl.where(kk[None, :] == j, best[:, None], top_w)
+        top_i = tl.where(kk[None, :] == j, idx[:, None], top_i)
+        p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    offs = rows[:, None] * TOP_K + kk[None, :]
+    omask = rmask[:, None] & (kk[None, :] < TOP_K)
+    tl.store(w_ptr + offs, top_w, mask=omask)
+    tl.store(ids_ptr + offs, top_i, mask=omask)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `route_ref`: router_logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]), sorted by
+    weight, descending."""
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        raise ValueError(f"route: logits must be [T, E] with contiguous experts, got {tuple(router_logits.shape)}")
+    t, e = router_logits.shape
+    if not 0 < top_k <= e:
+        raise ValueError(f"route: top_k {top_k} not in 1..{e}")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    if t:
+        block_e = next_pow2(e)
+        rows = max(1, min(16, 4096 // block_e))
+        _route_kernel[(triton.cdiv(t, rows),)](
+            router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k, RENORM=renormalize,
+            K_PAD=next_pow2(top_k), ROWS=rows, BLOCK_E=block_e, num_warps=4)
+    return weights, ids

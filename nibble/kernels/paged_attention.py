@@ -1,0 +1,235 @@
+"""Paged causal attention over each sequence's cached context (Triton); the contract and the torch
+reference are `attention.paged_attention_ref`.
+
+One kernel serves prefill and decode. A program owns BLOCK_Q query tokens of one sequence and ALL query
+heads of one KV head (GQA packing: the rows of its tiles are (token, head-in-group) pairs), so each K/V
+tile is read once per group and the dots have 16+ rows even for one decode token. K/V tiles are gathered
+through the block table (any power-of-two page size), scores use an online softmax in fp32 (exp2 with the
+scale folded in), FP8 caches are converted in registers and their scales applied to scores and output.
+Long decode contexts are split over several programs (split-KV) whose partial outputs and log-sum-exps a
+second kernel merges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nibble.kernels._triton import cdiv, dot_precision, e4m3_to_f32, fp8_native, next_pow2, sm_count, tl, triton
+from nibble.kernels.tuning_tables import lookup
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(ptr, offs, mask, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, dtype: tl.constexpr):
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    if KV_FP8:
+        if FP8_NATIVE:
+            x = x.to(dtype)
+        else:
+            x = e4m3_to_f32(x).to(dtype)
+    return x
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, lens_ptr, bt_ptr,
+                       qk_scale, v_scale, group, n_heads, head_dim, n_qblk, n_splits,
+                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_bt,
+                       BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+                       FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    ROWS: tl.constexpr = BLOCK_Q * G_PAD
+    pid = tl.program_id(0)
+    seq = pid // n_qblk
+    qb = pid % n_qblk
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, ROWS)
+    tq = qb * BLOCK_Q + rows // G_PAD
+    hh = rows % G_PAD
+    row_ok = (tq < q_len) & (hh < group)
+    qpos = ctx + tq
+    head = kvh * group + hh
+    tok = (q_start + tq).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_dim
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    cdt = q.dtype
+
+    kv_end = tl.minimum(seq_len, ctx + qb * BLOCK_Q + BLOCK_Q)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end, n_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + offs_n
+        kmask = kpos < hi
+        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        in_page = (kpos % PAGE).to(tl.int64)
+        m2 = kmask[:, None] & dmask[None, :]
+        k_offs = (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+        k = _load_kv_tile(k_ptr, k_offs, m2, KV_FP8, FP8_NATIVE, cdt)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offs = (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+        v = _load_kv_tile(v_ptr, v_offs, m2, KV_FP8, FP8_NATIVE, cdt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc * (v_scale / l_safe)[:, None]
+    omask = row_ok[:, None] & dmask[None, :]
+    if SPLIT:
+        tl.store(po_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :],
+                 o, mask=omask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(plse_ptr + (tok * n_heads + head) * n_splits + split, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _merge_splits_kernel(po_ptr, plse_ptr, out_ptr, n_heads, n_splits, head_dim, stride_pt, stride_ph,
+                         stride_ps, stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < n_splits
+    lse = tl.load(plse_ptr + (tok * n_heads + head) * n_splits + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    o = tl.load(po_ptr + tok * stride_pt + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                mask=smask[:, None] & (d[None, :] < head_dim), other=0.0)
+    res = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < head_dim)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+           seq_lens: torch.Tensor, block_table: torch.Tensor) -> None:
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"paged_attention: q must be [T, Hq, D] with a contiguous head dim, got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"paged_attention: caches {tuple(k_cache.shape)} for q {tuple(q.shape)}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or k_cache.dtype != v_cache.dtype:
+        raise ValueError("paged_attention: caches must share a dtype and have a contiguous head dim")
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"paged_attention: block size {page} is not a power of two")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"paged_attention: {q.shape[1]} query heads for {k_cache.shape[2]} KV heads")
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"paged_attention: cache dtype {k_cache.dtype} with {q.dtype} queries")
+    b = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError("paged_attention: cu_seqlens_q [B+1], seq_lens [B], block_table [B, n] expected")
+    if cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        raise ValueError("paged_attention: cu_seqlens_q, seq_lens and block_table must be int32")
+    if block_table.stride(1) != 1:
+        raise ValueError("paged_attention: block_table rows must be contiguous")
+    devs = {x.device for x in (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)}
+    if len(devs) != 1:
+        raise ValueError("paged_attention: tensors on different devices")
+
+
+def num_decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      min_chunk: int, max_splits: int) -> int:
+    """Split-KV factor for a decode step: enough programs to fill the GPU twice over, each split still
+    covering at least `min_chunk` keys."""
+    want = cdiv(2 * sm_count(device), max(1, num_seqs * num_kv_heads))
+    return int(max(1, min(want, cdiv(max(1, max_seq_len), min_chunk), max_splits)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0, max_query_len: int = 0, max_seq_len: int = 0) -> torch.Tensor:
+    """Triton `paged_attention_ref`. max_query_len / max_seq_len are host ints (0 = unknown: computed
+    with a device sync); decode is max_query_len == 1."""
+    return paged_attention_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, k_scale,
+                                  v_scale, max_query_len, max_seq_len)
+
+
+def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                           scale: float, k_scale: float = 1.0, v_scale: float = 1.0, max_query_len: int = 0,
+                           max_seq_len: int = 0, *, num_splits: int | None = None,
+                           config: dict | None = None) -> torch.Tensor:
+    """`paged_attention` with the split count (decode only) and tuning fields overridable (tests,
+    benchmarks)."""
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+    t, hq, hd = q.shape
+    b = seq_lens.shape[0]
+    hk = k_cache.shape[2]
+    group = hq // hk
+    out = torch.empty_like(q)
+    if t == 0 or b == 0:
+        return out
+    if max_query_len <= 0:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seq_len <= 0:
+        max_seq_len = int(seq_lens.max())
+    decode = max_query_len == 1
+    g_pad = next_pow2(group)
+    block_d = next_pow2(hd)
+    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": decode, "group": group})
+    cfg.update(config or {})
+    if decode:
+        block_q = 1
+        g_pad = max(g_pad, 16)
+        splits = num_splits or num_decode_splits(q.device, b, hk, max_seq_len, cfg["min_chunk"],
+                                                 cfg["max_splits"])
+    else:
+        block_q = max(1, cfg["rows"] // g_pad)
+        g_pad = max(g_pad, cdiv(16, block_q))
+        splits = 1
+    n_qblk = cdiv(max_query_len, block_q)
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    native = fp8_native(q.device)
+    kc = k_cache.view(torch.uint8) if kv_fp8 and not native else k_cache
+    vc = v_cache.view(torch.uint8) if kv_fp8 and not native else v_cache
+    if splits > 1:
+        po = torch.empty((t, hq, splits, hd), dtype=torch.float32, device=q.device)
+        plse = torch.empty((t, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        po, plse = out, out
+    _paged_attn_kernel[(b * n_qblk, hk, splits)](
+        q, kc, vc, out, po, plse, cu_seqlens_q, seq_lens, block_table,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), group, hq, hd, n_qblk, splits,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
+        vc.stride(2), out.stride(0), out.stride(1), po.stride(0) if splits > 1 else 0,
+        po.stride(1) if splits > 1 else 0, po.stride(2) if splits > 1 else 0, block_table.stride(0),
+        BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, PAGE=k_cache.shape[1],
+        KV_FP8=kv_fp8, FP8_NATIVE=native, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            po, plse, out, hq, splits, hd, po.stride(0), po.stride(1), po.stride(2), out.stride(0),
+            out.stride(1), BLOCK_S=next_pow2(splits), BLOCK_D=block_d, num_warps=4)
+    return out

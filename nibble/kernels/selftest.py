@@ -1,0 +1,318 @@
+"""Start-up self-tests: each candidate backend of an op runs once on the model's real shapes against the
+torch reference, on fresh random inputs.
+
+Outputs that kernels allocate themselves are caught when left unwritten by poisoning the allocator: a
+NaN-filled block of each expected output size is freed just before the call, so the caching allocator
+hands that memory to the kernel's `torch.empty`. In-place state (caches, conv/ssm states) is compared as
+well. A test raises `SelfTestFailure` with a short reason; it returns the worst relative error
+||out - ref|| / ||ref|| it saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nibble.formats.nvfp4 import NVFP4Tensor
+from nibble.kernels.attention import paged_attention_ref, store_kv_ref
+from nibble.kernels.conv1d import causal_conv1d_ref
+from nibble.kernels.gated_delta import gated_delta_rule_ref
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
+from nibble.kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
+from nibble.kernels.rope import build_cos_sin_cache, rope_ref
+from nibble.models.config import ModelConfig
+
+MOE_TEST_BYTES = 2 << 30
+
+
+class SelfTestFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class SelfTestContext:
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    block_size: int
+    generator: torch.Generator
+
+    @property
+    def tol(self) -> float:
+        return {torch.float32: 1e-4, torch.float16: 1e-2}.get(self.dtype, 2e-2)
+
+    def randn(self, *shape: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+        return (x * scale).to(dtype or self.dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.generator, device=self.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def poison(device: torch.device, *shapes_dtypes: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Fill then free blocks of the given sizes so the next allocations of those sizes start as NaN
+    (or 0xFF bytes for integer types)."""
+    blocks = []
+    for shape, dtype in shapes_dtypes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.view(torch.uint8).fill_(0xFF)
+        blocks.append(t)
+    del blocks
+
+
+def rel_err(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    if out.shape != ref.shape:
+        raise SelfTestFailure(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    if out.dtype != ref.dtype:
+        raise SelfTestFailure(f"{name}: dtype {out.dtype} != reference {ref.dtype}")
+    o, r = out.float(), ref.float()
+    if not torch.isfinite(o).all():
+        raise SelfTestFailure(f"{name}: {int((~torch.isfinite(o)).sum())} non-finite values")
+    err = float((o - r).norm() / r.norm().clamp_min(1e-30))
+    if not err <= tol:
+        raise SelfTestFailure(f"{name}: relative error {err:.3g} > {tol:g}")
+    return err
+
+
+def _call(fn: Callable, device: torch.device, outs: list[tuple[tuple[int, ...], torch.dtype]], *args):
+    poison(device, *outs)
+    res = fn(*args)
+    _sync(device)
+    return res
+
+
+def test_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
+    h = ctx.config.hidden_size
+    worst = 0.0
+    for t in (1, 37):
+        x, res = ctx.randn(t, h), ctx.randn(t, h, scale=4.0)
+        w = 1.0 + 0.1 * ctx.randn(h, dtype=torch.float32)
+        out, new_res = _call(fn, ctx.device, [((t, h), ctx.dtype)] * 2, x, w, ctx.config.rms_norm_eps, res)
+        ref, ref_res = rms_norm_ref(x, w, ctx.config.rms_norm_eps, res)
+        worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("residual", new_res, ref_res, ctx.tol))
+        out, none = _call(fn, ctx.device, [((t, h), ctx.dtype)], x, w, ctx.config.rms_norm_eps)
+        if none is not None:
+            raise SelfTestFailure("returned a residual without one given")
+        worst = max(worst, rel_err("out (no residual)", out, rms_norm_ref(x, w, ctx.config.rms_norm_eps)[0],
+                                   ctx.tol))
+    return worst
+
+
+def test_gated_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    n, d = 5 * c.linear_num_value_heads, c.linear_value_head_dim
+    x, g = ctx.randn(n, d), ctx.randn(n, d)
+    w = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
+    out = _call(fn, ctx.device, [((n, d), ctx.dtype)], x, g, w, c.rms_norm_eps)
+    return rel_err("out", out, gated_rms_norm_ref(x, g, w, c.rms_norm_eps), ctx.tol)
+
+
+def test_rope(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    t, max_pos = 19, 4096
+    cache = build_cos_sin_cache(c.rotary_dim, max_pos, c.rope_theta, ctx.device)
+    pos = (ctx.rand(t) * max_pos).long().clamp_max(max_pos - 1)
+    # q as the model sees it: a strided view of the fused [query | gate] projection
+    q_full = ctx.randn(t, c.num_attention_heads, 2 * c.head_dim)
+    k = ctx.randn(t, c.num_key_value_heads, c.head_dim)
+    q_ref, k_ref = rope_ref(q_full[..., :c.head_dim], k, pos, cache)
+    gate_before = q_full[..., c.head_dim:].clone()
+    q_out, k_out = _call(fn, ctx.device, [], q_full[..., :c.head_dim], k.clone(), pos, cache)
+    if not torch.equal(q_full[..., c.head_dim:], gate_before):
+        raise SelfTestFailure("wrote outside the query channels")
+    return max(rel_err("q", q_out, q_ref, ctx.tol), rel_err("k", k_out, k_ref, ctx.tol))
+
+
+def _paged_setup(ctx: SelfTestContext, ctx_lens: list[int], q_lens: list[int]):
+    c = ctx.config
+    bs = ctx.block_size
+    nblocks = [-(-(a + b) // bs) for a, b in zip(ctx_lens, q_lens)]
+    total = sum(nblocks) + 3
+    perm = ctx.randperm(total).to(torch.int32)
+    table = torch.zeros((len(q_lens), max(nblocks)), dtype=torch.int32, device=ctx.device)
+    i = 0
+    for s, n in enumerate(nblocks):
+        table[s, :n] = perm[i:i + n]
+        i += n
+    shape = (total, bs, c.num_key_value_heads, c.head_dim)
+    return table, shape
+
+
+def _slots(table: torch.Tensor, bs: int, ctx_lens: list[int], q_lens: list[int]) -> torch.Tensor:
+    slots = []
+    for s, (a, b) in enumerate(zip(ctx_lens, q_lens)):
+        pos = torch.arange(a, a + b, device=table.device)
+        slots.append(table[s, pos // bs].long() * bs + pos % bs)
+    return torch.cat(slots)
+
+
+def test_store_kv(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    ctx_lens, q_lens = [3, 0], [5, 20]
+    table, shape = _paged_setup(ctx, ctx_lens, q_lens)
+    slot_mapping = _slots(table, ctx.block_size, ctx_lens, q_lens)
+    slot_mapping[2] = -1
+    t = slot_mapping.numel()
+    k, v = ctx.randn(t, c.num_key_value_heads, c.head_dim), ctx.randn(t, c.num_key_value_heads, c.head_dim)
+    ks, vs = (0.05, 0.03) if ctx.kv_cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    kc = ctx.randn(*shape).to(ctx.kv_cache_dtype)
+    vc = ctx.randn(*shape).to(ctx.kv_cache_dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    store_kv_ref(k, v, kc_ref, vc_ref, slot_mapping, ks, vs)
+    _call(fn, ctx.device, [], k, v, kc, vc, slot_mapping, ks, vs)
+    return max(rel_err("k_cache", kc.float(), kc_ref.float(), ctx.tol),
+               rel_err("v_cache", vc.float(), vc_ref.float(), ctx.tol))
+
+
+def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    worst = 0.0
+    # decode (one long context to exercise split-KV) and prefill with a cached prefix
+    for ctx_lens, q_lens in (([0, 130, 2900], [1, 1, 1]), ([0, 190, 7], [37, 5, 1])):
+        table, shape = _paged_setup(ctx, ctx_lens, q_lens)
+        fp8 = ctx.kv_cache_dtype == torch.float8_e4m3fn
+        ks, vs = (0.02, 0.015) if fp8 else (1.0, 1.0)
+        kc = (ctx.randn(*shape, dtype=torch.float32) / ks).to(ctx.kv_cache_dtype)
+        vc = (ctx.randn(*shape, dtype=torch.float32) / vs).to(ctx.kv_cache_dtype)
+        t = sum(q_lens)
+        q = ctx.randn(t, c.num_attention_heads, c.head_dim)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+        lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=ctx.device)
+        args = (q, kc, vc, cu, lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
+        out = _call(fn, ctx.device, [(tuple(q.shape), q.dtype)], *args)
+        worst = max(worst, rel_err("decode" if max(q_lens) == 1 else "prefill", out, paged_attention_ref(*args),
+                                   ctx.tol))
+    return worst
+
+
+def test_causal_conv1d(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    ch, width = c.linear_conv_dim, c.linear_conv_kernel_dim
+    worst = 0.0
+    for q_lens in ([1, 1, 1], [1, 40, 2]):
+        b, t = len(q_lens), sum(q_lens)
+        x = ctx.randn(t, ch)
+        w = ctx.randn(ch, width, scale=0.5)
+        state = ctx.randn(7, width - 1, ch)
+        state_ref = state.clone()
+        slots = torch.tensor([5, 0, 3][:b], dtype=torch.int32, device=ctx.device)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+        out = _call(fn, ctx.device, [((t, ch), ctx.dtype)], x, w, state, cu, slots)
+        ref = causal_conv1d_ref(x, w, state_ref, cu, slots)
+        worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("conv_state", state, state_ref, ctx.tol))
+    return worst
+
+
+def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    worst = 0.0
+    for q_lens in ([1, 1, 1], [1, 45, 20]):
+        b, t = len(q_lens), sum(q_lens)
+        q, k, v = ctx.randn(t, hk, dk), ctx.randn(t, hk, dk), ctx.randn(t, hv, dv)
+        g = -0.5 * ctx.rand(t, hv)
+        beta = ctx.rand(t, hv).to(ctx.dtype)
+        state = ctx.randn(6, hv, dk, dv, dtype=torch.float32, scale=0.1)
+        state_ref = state.clone()
+        slots = torch.tensor([4, 1, 2][:b], dtype=torch.int32, device=ctx.device)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+        out = _call(fn, ctx.device, [((t, hv, dv), ctx.dtype)], q, k, v, g, beta, state, cu, slots)
+        ref = gated_delta_rule_ref(q, k, v, g, beta, state_ref, cu, slots)
+        worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", state, state_ref, ctx.tol))
+    return worst
+
+
+def test_route(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    t = 33
+    logits = ctx.randn(t, c.num_experts, scale=2.0)
+    w, ids = _call(fn, ctx.device, [((t, c.num_experts_per_tok), torch.float32)], logits, c.num_experts_per_tok,
+                   c.norm_topk_prob)
+    w_ref, ids_ref = route_ref(logits, c.num_experts_per_tok, c.norm_topk_prob)
+    if ids.dtype != torch.int32 or ids.shape != ids_ref.shape:
+        raise SelfTestFailure(f"ids {ids.dtype} {tuple(ids.shape)}")
+    if ((ids < 0) | (ids >= c.num_experts)).any():
+        raise SelfTestFailure("expert ids out of range")
+    # ties (frequent with bf16 logits) may pick different experts of equal logit: compare the logits chosen
+    lf = logits.float()
+    picked, picked_ref = lf.gather(1, ids.long()), lf.gather(1, ids_ref.long())
+    if not torch.equal(picked, picked_ref):
+        raise SelfTestFailure("selected experts differ from the reference")
+    return rel_err("weights", w, w_ref, 1e-5)
+
+
+def _random_nvfp4(ctx: SelfTestContext, e: int, n: int, k: int) -> NVFP4Tensor:
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=ctx.generator, device=ctx.device, dtype=torch.uint8)
+    scale = (ctx.rand(e, n, k // 16) * 2.0 + 0.05).to(torch.float8_e4m3fn)
+    gscale = (ctx.rand(e, n) + 0.5) * (0.5 / (k ** 0.5))
+    return NVFP4Tensor(packed, scale, gscale)
+
+
+def moe_test_experts(ctx: SelfTestContext) -> int:
+    """Experts to allocate for the MoE self-test: the real count if their weights stay under
+    MOE_TEST_BYTES, else fewer (the per-expert shapes stay real)."""
+    c = ctx.config
+    elems = 3 * c.moe_intermediate_size * c.hidden_size
+    per_expert = elems * 9 // 16 if ctx.config.quantized else elems * ctx.dtype.itemsize
+    return max(2 * c.num_experts_per_tok, min(c.num_experts, MOE_TEST_BYTES // max(1, per_expert)))
+
+
+def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    e = min(c.num_experts, moe_test_experts(ctx))
+    quantized = c.quant is not None and c.quant.is_quantized("model.layers.0.mlp.experts")
+    if quantized:
+        experts = MoEWeights(_random_nvfp4(ctx, e, 2 * inter, h), _random_nvfp4(ctx, e, h, inter))
+    else:
+        experts = MoEWeights(ctx.randn(e, 2 * inter, h, scale=h ** -0.5), ctx.randn(e, h, inter, scale=inter ** -0.5))
+    worst = 0.0
+    # the last size reaches the prefill tile configuration (GPU only: the interpreter is too slow)
+    for t in (1, 3, 40, 300) + ((1500,) if ctx.device.type == "cuda" else ()):
+        x = ctx.randn(t, h)
+        w, ids = route_ref(ctx.randn(t, e, dtype=torch.float32), k, True)
+        out = _call(fn, ctx.device, [((t, h), ctx.dtype)], x, w, ids, experts)
+        worst = max(worst, rel_err(f"T={t}", out, fused_moe_ref(x, w, ids, experts), ctx.tol))
+    return worst
+
+
+def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    h, n = c.hidden_size, 2 * c.shared_expert_intermediate_size
+    w = _random_nvfp4(ctx, 1, n, h)
+    w = NVFP4Tensor(w.packed[0], w.block_scale[0], w.global_scale[0])
+    worst = 0.0
+    for t in (1, 7, 130):
+        x = ctx.randn(t, h)
+        out = _call(fn, ctx.device, [((t, n), ctx.dtype)], x, w)
+        worst = max(worst, rel_err(f"T={t}", out, nvfp4_linear_ref(x, w), ctx.tol))
+    return worst
+
+
+SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
+    "rms_norm": test_rms_norm,
+    "gated_rms_norm": test_gated_rms_norm,
+    "rope": test_rope,
+    "store_kv": test_store_kv,
+    "paged_attention": test_paged_attention,
+    "causal_conv1d": test_causal_conv1d,
+    "gated_delta_rule": test_gated_delta_rule,
+    "route": test_route,
+    "fused_moe": test_fused_moe,
+    "nvfp4_linear": test_nvfp4_linear,
+}

@@ -1,0 +1,56 @@
+"""Launch configurations from the JSON tables in `nibble/kernels/tuning/`.
+
+`default.json` holds a complete configuration for every case; `<device>.json` (device names normalised
+by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. Each op maps to a list of
+entries `{"when": {...}, "config": {...}}`; the first entry whose `when` matches the lookup key wins in
+each table, and the device's fields are laid over the default's. In `when`, `"min_X"`/`"max_X"` bound
+the key's numeric field `X` (inclusive); any other field must equal the key's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nibble.kernels._triton import device_key
+
+TUNING_DIR = Path(__file__).with_name("tuning")
+
+
+@functools.lru_cache(maxsize=32)
+def _table(name: str) -> dict[str, list[dict[str, Any]]]:
+    path = TUNING_DIR / f"{name}.json"
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _matches(when: dict[str, Any], key: dict[str, Any]) -> bool:
+    for field, want in when.items():
+        if field.startswith(("min_", "max_")) and field[4:] in key:
+            have = key[field[4:]]
+            if (field.startswith("min_") and have < want) or (field.startswith("max_") and have > want):
+                return False
+        elif key.get(field) != want:
+            return False
+    return True
+
+
+def _first(table: dict[str, list[dict[str, Any]]], op: str, key: dict[str, Any]) -> dict[str, Any]:
+    for entry in table.get(op, []):
+        if _matches(entry.get("when", {}), key):
+            return dict(entry["config"])
+    return {}
+
+
+def lookup(op: str, device: torch.device | str, key: dict[str, Any]) -> dict[str, Any]:
+    """Configuration of `op` for a shape `key` on `device` (a fresh dict the caller may modify)."""
+    cfg = _first(_table("default"), op, key)
+    if not cfg:
+        raise KeyError(f"tuning/default.json has no entry for {op} matching {key}")
+    cfg.update(_first(_table(device_key(device)), op, key))
+    return cfg

@@ -1,0 +1,146 @@
+"""The FastAPI application of `nibble serve`: routes, authentication, error handlers, lifespan.
+
+`build_app(engine)` wires an already-built `AsyncEngine` into an app; `nibble.server.launch` builds the
+engine from the command line and runs the app under uvicorn. Every error leaves as an OpenAI-style body
+(`{"error": {"message", "type", "param", "code"}}`) with a 4xx/5xx status, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nibble import __version__
+from nibble.engine.async_engine import AsyncEngine
+from nibble.server.errors import APIError
+from nibble.server.metrics import ServerMetrics
+from nibble.server.protocol import ModelCard, ModelList
+from nibble.server.serving_base import engine_core, json_response, read_json_body
+from nibble.server.serving_chat import ChatServing
+from nibble.server.serving_completions import CompletionServing
+
+logger = logging.getLogger("nibble.server")
+
+
+def _accepted_model_names(engine: AsyncEngine, served: str) -> set[str]:
+    core = engine_core(engine)
+    names = {served, core.config.model, str(core.model_dir)}
+    if core.config.served_model_name:
+        names.add(core.config.served_model_name)
+    return names
+
+
+def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
+
+
+def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
+              owns_engine: bool = False) -> FastAPI:
+    """The OpenAI-compatible app over `engine`.
+
+    `api_key`: when set, /v1/* requires `Authorization: Bearer <api_key>` (health, metrics and version stay
+    open). `served_model_name`: the name clients use (default: the engine's). `owns_engine`: shut the
+    engine down when the app stops.
+    """
+    core = engine_core(engine)
+    served = served_model_name or core.model_name
+    metrics = ServerMetrics(engine, served)
+    accepted = _accepted_model_names(engine, served)
+    completions = CompletionServing(engine, served, accepted, metrics)
+    chat = ChatServing(engine, served, accepted, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info("serving '%s' (max_model_len %d)%s", served, core.max_model_len,
+                    " with API key" if api_key else "")
+        yield
+        if owns_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="nibble", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    auth = [Depends(_auth_dependency(api_key))]
+
+    def error_json(err: APIError) -> JSONResponse:
+        metrics.observe_error(err.status)
+        return err.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        logger.info("%s %s: HTTP %d (%s)", request.method, request.url.path, exc.status, exc.message)
+        return error_json(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}"
+        return error_json(APIError(exc.status_code, detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_json(APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_json(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if completions.engine_alive():
+            return Response(status_code=200)
+        reason = engine.dead_reason or "the engine thread stopped"
+        return error_json(APIError(503, f"the engine is not running: {reason}", code="engine_dead"))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served, root=str(core.model_dir), max_model_len=core.max_model_len)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models() -> Response:
+        return json_response(ModelList(data=[model_card()]))
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def get_model(model: str) -> Response:
+        completions.check_model(model)
+        return json_response(model_card())
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await read_json_body(request), request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await read_json_body(request), request)
+
+    return app

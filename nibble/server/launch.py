@@ -1,0 +1,190 @@
+"""`nibble serve`: command-line flags, engine construction and the uvicorn server.
+
+`add_cli_args(parser)` declares the flags (vLLM's names where vLLM has the same knob); `run_cli(args)`
+builds the engine, prints a one-line error (no traceback) when the model or the settings are unusable,
+and serves until interrupted. Engine flags default to None, meaning "EngineConfig's default", so the
+defaults live in one place and `--help` does not need to import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger("nibble.server")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+GRACEFUL_SHUTDOWN_S = 10
+
+# CLI destination -> EngineConfig field, for the flags that map one to one.
+_ENGINE_FIELDS = (
+    "model", "tokenizer", "served_model_name", "device", "dtype", "kv_cache_dtype", "load_format", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
+    "enforce_eager", "cuda_graph_max_batch_size", "seed", "moe_backend", "attention_backend", "linear_backend",
+    "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare every `nibble serve` flag on `parser` and return it."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument("--served-model-name", default=None,
+                        help="model name clients use in requests and see in /v1/models (default: --model)")
+    server.add_argument("--api-key", default=os.environ.get("NIBBLE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NIBBLE_API_KEY, else none)")
+    # SUPPRESS: when `nibble --log-level X serve` set it on the parent parser, an unset flag here must not
+    # overwrite it with a default.
+    server.add_argument("--log-level", default=argparse.SUPPRESS, type=str.lower, choices=LOG_LEVELS,
+                        help="(default: info)")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="demo",
+                       help="Hugging Face checkpoint directory, or 'demo' for the embedded demo model "
+                            "(default: %(default)s)")
+    model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    model.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                       help="'dummy' builds the model from config.json with random weights (default: auto)")
+    model.add_argument("--dtype", default=None,
+                       choices=("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"),
+                       help="activation/weight dtype of unquantized parts (default: auto = bf16 on GPU, fp32 on CPU)")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="context length, prompt + output (default: the model's, at most 32768)")
+    model.add_argument("--seed", type=int, default=None, help="engine random seed (default: 0)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: auto)")
+    engine.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3"),
+                        help="KV-cache element type (default: auto = the model dtype)")
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one batch (default: 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step; longer prompts are prefilled in chunks "
+                             "(default: 8192)")
+    engine.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="queue length beyond which new requests get HTTP 503 (default: 4096)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of GPU memory nibble may use, caches included (default: 0.9)")
+    engine.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="KV-cache size on CPU, in GiB (default: 1)")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
+    engine.add_argument("--enforce-eager", action="store_true", default=None, help="do not use CUDA graphs")
+    engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                        help="largest decode batch captured in a CUDA graph (default: 256)")
+    engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")
+    engine.add_argument("--attention-backend", default=None, help="force an attention kernel backend (default: auto)")
+    engine.add_argument("--linear-backend", default=None, help="force an NVFP4 linear kernel backend (default: auto)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs per model (default: 1)")
+    engine.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                        help="shard experts across GPUs instead of tensor-splitting them")
+    return parser
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    kwargs.setdefault("model", "demo")
+    return kwargs
+
+
+def _fail(message: str) -> int:
+    print(f"nibble serve: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the (slow) engine start, so a busy port fails at once."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run `nibble serve` with parsed flags; returns the process exit code."""
+    log_level = str(getattr(args, "log_level", None) or "info").lower()
+    if log_level not in LOG_LEVELS:
+        return _fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got '{log_level}'")
+    args.log_level = log_level
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level.upper())
+    if not 0 <= args.port <= 65535:
+        return _fail(f"--port must be in 0..65535, got {args.port}")
+
+    from nibble.engine.async_engine import AsyncEngine
+    from nibble.engine.config import EngineConfig, EngineConfigError
+
+    try:
+        config = EngineConfig(**engine_config_kwargs(args))
+    except EngineConfigError as exc:
+        return _fail(str(exc))
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    try:
+        engine = AsyncEngine.from_config(config)
+    except KeyboardInterrupt:
+        sock.close()
+        return 130
+    except Exception as exc:  # a bad model directory or setting: one line; the trace only at debug level
+        sock.close()
+        logger.debug("engine start failed", exc_info=True)
+        return _fail(f"cannot start the engine for '{args.model}': {exc}")
+    return _serve(engine, sock, args)
+
+
+def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a signal-triggered graceful shutdown ends with exit code 0.
+
+        uvicorn re-raises the captured SIGINT/SIGTERM after shutting down, which turns a clean stop into a
+        KeyboardInterrupt or a kill by signal.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    from nibble.server.api_server import build_app
+    from nibble.server.serving_base import engine_core
+
+    app = build_app(engine, api_key=args.api_key or None, served_model_name=args.served_model_name,
+                    owns_engine=True)
+    # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long.
+    config = uvicorn.Config(app, log_level=args.log_level, log_config=None, access_log=False,
+                            timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    host, port = sock.getsockname()[:2]
+    logger.info("listening on http://%s:%d (model '%s')", host, port, engine_core(engine).model_name)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0

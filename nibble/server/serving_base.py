@@ -1,0 +1,277 @@
+"""What the completions and chat handlers share: request parsing, model-name check, sampling parameters
+(with the model's generation_config defaults), context-length checks, disconnect-aware waiting, metrics
+and the one log line per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from nibble.engine.async_engine import AsyncEngine, EngineDead
+from nibble.engine.llm_engine import LLMEngine
+from nibble.engine.request import RequestOutput
+from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
+from nibble.server.engine_streams import EngineJob, EngineStreams
+from nibble.server.errors import APIError, ClientDisconnected, bad_request, from_engine_error
+from nibble.server.metrics import ServerMetrics
+from nibble.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, format_validation_error
+from nibble.server.token_text import TokenTexts
+
+logger = logging.getLogger("nibble.server")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# HTTP status logged (never seen by anyone) when the client left before the response was ready.
+CLIENT_CLOSED = 499
+
+# How often a non-streaming handler checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.2
+
+# Fields of vLLM/OpenAI requests that would change the result but that nibble does not implement. The
+# protocol models ignore unknown fields, so these are refused here rather than silently dropped.
+UNSUPPORTED_FIELDS = {
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "bad_words": "bad_words is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported",
+    "logits_processors": "logits processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+}
+
+# Request bodies above this size are refused (413): even a 256k-token prompt as JSON is far smaller.
+MAX_BODY_BYTES = 64 * 2**20
+
+# Seeds the sampler's torch.Generator accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def reject_unsupported(body: Mapping[str, Any], fields: Mapping[str, str]) -> None:
+    """400 for any of `fields` that the client set to something other than null/false/empty."""
+    for name, why in fields.items():
+        value = body.get(name)
+        if value is not None and value is not False and value != [] and value != {}:
+            raise bad_request(f"{name}: {why}", param=name)
+
+
+async def read_json_body(request: Request, limit: int | None = None) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 (413 when over `limit` bytes, default MAX_BODY_BYTES)
+    saying what is wrong."""
+    limit = limit or MAX_BODY_BYTES
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, "
+                          f"column {exc.colno})") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise bad_request("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                          "pair), which is not valid Unicode text")
+    return body
+
+
+# JSON may escape unpaired surrogates, which Python keeps in str but no tokenizer can encode (it raised a
+# TypeError, answered with a 500); a quick scan of the raw bytes decides whether the strings need a check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def parse_model(cls: type[M], body: dict[str, Any]) -> M:
+    """Validate `body` into `cls`; a validation failure becomes a 400 naming the field."""
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as exc:
+        message, param = format_validation_error(exc)
+        raise bad_request(message, param=param) from None
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+        raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
+    return req
+
+
+async def wait_unless_disconnected(awaitable: Awaitable[T], request: Request) -> T:
+    """Await `awaitable` in a task, cancelling it (and raising ClientDisconnected) if the client leaves."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def json_response(model: Any, status: int = 200) -> Response:
+    """A pydantic model as a JSON response."""
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def usage_of(outputs: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
+    """Token counts summed over the prompts of one request."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def check_generation_error(out: RequestOutput) -> None:
+    """Raise a 500 for a request the engine ended with finish_reason 'error' (e.g. non-finite logits)."""
+    if out.outputs[0].finish_reason == "error":
+        raise APIError(500, out.error or "generation failed", code="generation_error")
+
+
+def engine_core(engine: AsyncEngine) -> LLMEngine:
+    """The synchronous engine behind `engine` (tokenizer, max_model_len, config...)."""
+    return engine.engine
+
+
+class OpenAIServing:
+    """Base of the two endpoint handlers; holds the engine, the served names and the metrics."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, accepted_names: set[str],
+                 metrics: ServerMetrics) -> None:
+        """`accepted_names`: model names a request may give (the served name, the model path...)."""
+        self.engine = engine
+        self.core = engine_core(engine)
+        self.served_model_name = served_model_name
+        self.accepted_names = accepted_names
+        self.metrics = metrics
+        self.tokenizer = self.core.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
+        self.max_model_len = self.core.max_model_len
+        defaults = self.core.generation_defaults.sampling_overrides()
+        self.default_max_new_tokens: int | None = defaults.pop("max_new_tokens", None)
+        self.sampling_defaults: dict[str, Any] = defaults
+        self._background: set[asyncio.Task[None]] = set()
+
+    def check_model(self, name: str | None) -> None:
+        """404 model_not_found unless `name` is absent or one of the accepted names."""
+        if name is not None and name not in self.accepted_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+    def require_tokenizer(self) -> None:
+        """400 when the model came without a tokenizer (only token-id prompts can work then)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids as the prompt", param="prompt")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
+                     max_param: str = "max_tokens") -> None:
+        """400 when the prompt (plus an explicit max_tokens) does not fit the context window."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt has "
+                              f"{num_prompt_tokens} tokens, leaving no room to generate; shorten the prompt",
+                              param=param)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt has "
+                              f"{num_prompt_tokens} tokens and {max_param} asks for {max_tokens} more "
+                              f"({num_prompt_tokens + max_tokens} in all); shorten the prompt or lower "
+                              f"{max_param}", param=max_param)
+
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one prompt: the request's values, else the model's generation_config
+        defaults for the fields it leaves unset, else the engine defaults."""
+        values: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(req, name)
+            if value is None:
+                value = self.sampling_defaults.get(name)
+            if value is not None:
+                values[name] = value
+        if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
+            raise bad_request(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {req.seed}", param="seed")
+        try:
+            return SamplingParams(
+                **values, seed=req.seed, stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
+                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except SamplingParamsError as exc:
+            raise from_engine_error(exc) from None
+
+    def engine_streams(self, jobs: list[EngineJob]) -> EngineStreams:
+        """Engine requests for `jobs`, recording metrics for each as it ends."""
+
+        def on_finish(i: int, out: RequestOutput | None, reason: str, end: float) -> None:
+            prompt = len(out.prompt_token_ids) if out is not None else 0
+            completion = len(out.outputs[0].token_ids) if out is not None else 0
+            metrics = out.metrics if out is not None else {}
+            self.metrics.observe_request(reason, prompt, completion, metrics.get("arrival_time"),
+                                         metrics.get("first_token_time"), end)
+
+        if not self.engine_alive():
+            raise from_engine_error(EngineDead(self.engine.dead_reason or "the engine thread stopped"))
+        return EngineStreams(self.engine, jobs, on_finish, self._background)
+
+    def engine_alive(self) -> bool:
+        return self.engine.is_alive
+
+    def log_request(self, request_id: str, status: int, prompt_tokens: int, completion_tokens: int,
+                    finish: str | None, start: float) -> None:
+        """The one INFO line per HTTP request."""
+        logger.info("%s: %s, prompt %d tokens, completion %d tokens, finish %s, %.3f s", request_id, status,
+                    prompt_tokens, completion_tokens, finish or "-", time.monotonic() - start)
+
+    def fail(self, request_id: str, exc: BaseException, start: float) -> APIError:
+        """Map an exception to the APIError to answer with, counting and logging it."""
+        err = from_engine_error(exc)
+        self.metrics.observe_error(err.status)
+        if err.status >= 500 and err.code == "internal_error":
+            logger.error("%s: %s", request_id, err.message, exc_info=exc)
+        logger.info("%s: HTTP %d (%s), %.3f s", request_id, err.status, err.message, time.monotonic() - start)
+        return err

@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, output split into
+reasoning, content and tool calls, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from nibble.engine.chat_template import ChatTemplateError
+from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
+from nibble.server.engine_streams import EngineJob, EngineStreams
+from nibble.server.errors import ClientDisconnected, bad_request
+from nibble.server.logprobs import chat_logprobs
+from nibble.server.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from nibble.server.reasoning import THINK_END
+from nibble.server.serving_base import (
+    CLIENT_CLOSED,
+    UNSUPPORTED_FIELDS,
+    OpenAIServing,
+    check_generation_error,
+    json_response,
+    parse_model,
+    reject_unsupported,
+    usage_of,
+    wait_unless_disconnected,
+)
+from nibble.server.sse import DONE_EVENT, EventStreamResponse, sse_event
+
+CHAT_UNSUPPORTED_FIELDS = {
+    **UNSUPPORTED_FIELDS,
+    "functions": "the legacy 'functions' API is not supported; use 'tools'",
+    "function_call": "the legacy 'function_call' API is not supported; use 'tool_choice'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "chat_template": "a per-request chat template is not supported; the model's template is used",
+    "documents": "documents are not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "echo": "echo is not supported",
+}
+
+
+class ChatServing(OpenAIServing):
+    """Handler of /v1/chat/completions."""
+
+    def _template_kwargs(self, req: ChatCompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        # Some clients send enable_thinking at the top level rather than in chat_template_kwargs.
+        top = body.get("enable_thinking")
+        if top is not None:
+            if not isinstance(top, bool):
+                raise bad_request(f"enable_thinking: must be true or false, got {top!r}", param="enable_thinking")
+            if kwargs.get("enable_thinking", top) != top:
+                raise bad_request("enable_thinking and chat_template_kwargs.enable_thinking disagree",
+                                  param="enable_thinking")
+            kwargs["enable_thinking"] = top
+        return kwargs
+
+    def _render(self, req: ChatCompletionRequest, kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+        """The prompt text and its token ids."""
+        assert self.tokenizer is not None
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                req.messages, tools=req.tools_for_template, add_generation_prompt=req.add_generation_prompt,
+                **kwargs)
+        except ChatTemplateError as exc:
+            message = str(exc)
+            param = "tools" if message.startswith("tools") else "messages"
+            raise bad_request(message, param=param) from None
+        return prompt, self.tokenizer.encode(prompt)
+
+    async def create(self, body: dict[str, Any], request: Request) -> Response:
+        """Serve one /v1/chat/completions request (already parsed as JSON)."""
+        start = time.monotonic()
+        request_id = random_id("chatcmpl")
+        try:
+            reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
+            modalities = body.get("modalities")
+            if modalities is not None and modalities != ["text"]:
+                raise bad_request("modalities: only ['text'] is supported", param="modalities")
+            req = parse_model(ChatCompletionRequest, body)
+            self.check_model(req.model)
+            self.require_tokenizer()
+            kwargs = self._template_kwargs(req, body)
+            # Rendering and tokenizing a long conversation takes milliseconds: keep the event loop free.
+            prompt, ids = await asyncio.to_thread(self._render, req, kwargs)
+            max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
+            room = self.max_model_len - len(ids)
+            max_tokens = req.max_new_tokens or min(room, self.default_max_new_tokens or room)
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            params = self.sampling_params(req, max_tokens, logprobs)
+            thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+            parse_tools = bool(req.tools) and req.tool_choice != "none"
+            streams = self.engine_streams([EngineJob(request_id, ids, params)])
+            await wait_unless_disconnected(streams.start(), request)
+        except ClientDisconnected:
+            self.log_request(request_id, CLIENT_CLOSED, 0, 0, "abort", start)
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return self.fail(request_id, exc, start).response()
+        if req.stream:
+            return EventStreamResponse(
+                self._stream(req, request_id, streams, len(ids), thinking, parse_tools, start), streams.close)
+        try:
+            outputs = await wait_unless_disconnected(_drain_one(streams), request)
+            check_generation_error(outputs)
+        except ClientDisconnected:
+            self.log_request(request_id, CLIENT_CLOSED, len(ids), 0, "abort", start)
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return self.fail(request_id, exc, start).response()
+        c = outputs.outputs[0]
+        message = build_chat_message(c.text, thinking, req.tools, parse_tools, req.include_reasoning)
+        lp = None
+        if req.logprobs and self.token_texts is not None:
+            lp = ChatCompletionLogProbs(content=chat_logprobs(c.logprobs or [], self.token_texts,
+                                                              req.top_logprobs or 0))
+        finish = chat_finish_reason(c.finish_reason, bool(message.tool_calls))
+        usage = usage_of([outputs], [len(ids)])
+        self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens, finish, start)
+        choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=lp, finish_reason=finish,
+                                              stop_reason=c.stop_reason)
+        return json_response(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
+                                                    usage=usage))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, streams: EngineStreams, num_prompt: int,
+                      thinking: bool, parse_tools: bool, start: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        builder = ChatDeltaBuilder(thinking, req.tools, parse_tools, req.include_reasoning)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        outcome: str | None = None
+
+        def chunk(delta: DeltaMessage | None, *, logprobs: ChatCompletionLogProbs | None = None,
+                  finish: str | None = None, stop_reason: int | str | None = None,
+                  usage: UsageInfo | None = None) -> str:
+            choices = []
+            if delta is not None:
+                choices = [ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
+                                                              finish_reason=finish, stop_reason=stop_reason)]
+            payload = ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                   choices=choices, usage=usage).model_dump(mode="json")
+            if delta is not None:
+                # Absent delta parts are left out rather than sent as null, as OpenAI does.
+                payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+            return sse_event(payload)
+
+        def running_usage() -> UsageInfo | None:
+            return usage_of(streams.last, [num_prompt]) if req.include_usage and continuous else None
+
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""), usage=running_usage())
+            async for _, out in streams:
+                check_generation_error(out)
+                c = out.outputs[0]
+                delta = builder.feed(c.delta_text, final=out.finished)
+                lp = None
+                if req.logprobs and self.token_texts is not None and c.delta_logprobs:
+                    lp = ChatCompletionLogProbs(content=chat_logprobs(c.delta_logprobs, self.token_texts,
+                                                                      req.top_logprobs or 0))
+                if delta is not None or lp is not None:
+                    yield chunk(delta or DeltaMessage(), logprobs=lp, usage=running_usage())
+                if out.finished:
+                    outcome = chat_finish_reason(c.finish_reason, builder.has_tool_calls)
+                    yield chunk(DeltaMessage(), finish=outcome, stop_reason=c.stop_reason, usage=running_usage())
+            if req.include_usage:
+                yield chunk(None, usage=usage_of(streams.last, [num_prompt]))
+        except Exception as exc:
+            outcome = "error"
+            yield self.fail(request_id, exc, start).sse_event()
+        finally:
+            streams.close()
+            if outcome != "error":
+                usage = usage_of(streams.last, [num_prompt])
+                self.log_request(request_id, 200 if outcome else CLIENT_CLOSED, usage.prompt_tokens,
+                                 usage.completion_tokens, outcome or "abort", start)
+        yield DONE_EVENT
+
+
+async def _drain_one(streams: EngineStreams) -> Any:
+    final = None
+    async for _, out in streams:
+        final = out
+    return final

@@ -1,0 +1,162 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or a batch), streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from nibble.engine.request import RequestOutput
+from nibble.server.engine_streams import EngineJob, EngineStreams
+from nibble.server.errors import APIError, ClientDisconnected
+from nibble.server.logprobs import completion_logprobs
+from nibble.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from nibble.server.serving_base import (
+    CLIENT_CLOSED,
+    UNSUPPORTED_FIELDS,
+    OpenAIServing,
+    check_generation_error,
+    json_response,
+    parse_model,
+    reject_unsupported,
+    usage_of,
+    wait_unless_disconnected,
+)
+from nibble.server.sse import DONE_EVENT, EventStreamResponse
+
+# OpenAI's default for /v1/completions when max_tokens is not given.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+class CompletionServing(OpenAIServing):
+    """Handler of /v1/completions."""
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+        prompts = req.prompts
+        if any(isinstance(p, str) for p in prompts):
+            self.require_tokenizer()
+        ids = []
+        for i, prompt in enumerate(prompts):
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else list(prompt)
+            if not tokens:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise APIError(400, f"{where}: the prompt is empty", param="prompt")
+            ids.append(tokens)
+        return ids
+
+    def _max_tokens(self, req: CompletionRequest, num_prompt_tokens: int) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if req.max_tokens is not None:
+            return req.max_tokens
+        if "max_tokens" in req.model_fields_set:
+            # An explicit null asks for as much as fits, as in vLLM.
+            return min(room, self.default_max_new_tokens or room)
+        return min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+
+    async def create(self, body: dict[str, Any], request: Request) -> Response:
+        """Serve one /v1/completions request (already parsed as JSON)."""
+        start = time.monotonic()
+        request_id = random_id("cmpl")
+        try:
+            reject_unsupported(body, UNSUPPORTED_FIELDS)
+            req = parse_model(CompletionRequest, body)
+            self.check_model(req.model)
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+            jobs = []
+            for i, ids in enumerate(prompt_ids):
+                self.check_length(len(ids), req.max_tokens, "prompt")
+                params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs)
+                jobs.append(EngineJob(f"{request_id}-{i}", ids, params))
+            streams = self.engine_streams(jobs)
+            await wait_unless_disconnected(streams.start(), request)
+        except ClientDisconnected:
+            self.log_request(request_id, CLIENT_CLOSED, 0, 0, "abort", start)
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return self.fail(request_id, exc, start).response()
+        prompt_lens = [len(ids) for ids in prompt_ids]
+        if req.stream:
+            return EventStreamResponse(self._stream(req, request_id, streams, prompt_lens, start), streams.close)
+        try:
+            outputs = await wait_unless_disconnected(self._drain(streams), request)
+            for out in outputs:
+                check_generation_error(out)
+        except ClientDisconnected:
+            self.log_request(request_id, CLIENT_CLOSED, sum(prompt_lens), 0, "abort", start)
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return self.fail(request_id, exc, start).response()
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            logprobs = None
+            if req.logprobs is not None and self.token_texts is not None:
+                logprobs, _ = completion_logprobs(c.logprobs or [], self.token_texts, 0, req.logprobs)
+            choices.append(CompletionResponseChoice(index=i, text=c.text, logprobs=logprobs,
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage = usage_of(list(outputs), prompt_lens)
+        self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens,
+                         ",".join(sorted({ch.finish_reason or "-" for ch in choices})), start)
+        return json_response(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                                usage=usage))
+
+    @staticmethod
+    async def _drain(streams: EngineStreams) -> list[RequestOutput]:
+        final: dict[int, RequestOutput] = {}
+        async for i, out in streams:
+            final[i] = out
+        return [final[i] for i in range(len(streams))]
+
+    async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
+                      prompt_lens: list[int], start: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets = [0] * len(prompt_lens)
+        finishes: list[str | None] = [None] * len(prompt_lens)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        outcome: str | None = None
+
+        def chunk(choices: list[CompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
+            model = CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                             choices=choices, usage=usage)
+            return f"data: {model.model_dump_json()}\n\n"
+
+        try:
+            async for i, out in streams:
+                check_generation_error(out)
+                c = out.outputs[0]
+                logprobs: CompletionLogProbs | None = None
+                if req.logprobs is not None and self.token_texts is not None:
+                    logprobs, offsets[i] = completion_logprobs(c.delta_logprobs, self.token_texts, offsets[i],
+                                                               req.logprobs)
+                if not (c.delta_text or (logprobs is not None and logprobs.tokens) or out.finished):
+                    continue
+                finishes[i] = c.finish_reason
+                choice = CompletionResponseStreamChoice(index=i, text=c.delta_text, logprobs=logprobs,
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                usage = usage_of(streams.last, prompt_lens) if req.include_usage and continuous else None
+                yield chunk([choice], usage)
+            if req.include_usage:
+                yield chunk([], usage_of(streams.last, prompt_lens))
+            outcome = ",".join(sorted({f or "-" for f in finishes}))
+        except Exception as exc:
+            outcome = "error"
+            yield self.fail(request_id, exc, start).sse_event()
+        finally:
+            streams.close()
+            if outcome != "error":
+                usage = usage_of(streams.last, prompt_lens)
+                self.log_request(request_id, 200 if outcome else CLIENT_CLOSED, usage.prompt_tokens,
+                                 usage.completion_tokens, outcome or "abort", start)
+        yield DONE_EVENT

@@ -1,0 +1,165 @@
+"""Compile every Triton kernel variant the wrappers launch (tuning-table configurations, bf16, NVFP4 and
+dense experts, FP8 native and software paths) for a CUDA target WITHOUT a GPU, and report shared memory
+per kernel. Catches GPU-only compile errors and shared-memory overflows before spending device time.
+
+    python tests/gpu/compile_offline.py 90 80 100     # compute capabilities (default 90)
+
+Relies on Triton internals (a stand-in driver and `JITFunction.run(warmup=True)`), checked with Triton
+3.7; TRITON_INTERPRET must be unset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+SMEM_LIMIT_KB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    ccs = [int(a) for a in sys.argv[1:]] or [90]
+    target = {"cc": ccs[0]}
+
+    class StandInDriver:
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", target["cc"], 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+    driver.set_active(StandInDriver())
+    compiled: list[tuple[str, object]] = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+
+    import nibble.kernels._triton as tri
+    from nibble.formats.nvfp4 import NVFP4Tensor
+    from nibble.kernels import attention, conv1d, gated_delta, moe_align, moe_route, norm, rope
+    from nibble.kernels import fused_moe as fm
+    from nibble.kernels import nvfp4_linear as nl
+    from nibble.kernels import paged_attention as pa
+    from nibble.kernels.moe import MoEWeights
+
+    bf = torch.bfloat16
+    tables = [json.loads(p.read_text()) for p in sorted((ROOT / "nibble/kernels/tuning").glob("*.json"))]
+    errors: list[tuple[str, str]] = []
+
+    def attempt(name: str, fn: Callable[..., object], *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:
+            errors.append((name, f"{type(e).__name__}: {str(e)[-400:]}"))
+            traceback.print_exc()
+
+    def nvfp4(*shape: int) -> NVFP4Tensor:
+        *lead, n, k = shape
+        return NVFP4Tensor(torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                           torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
+
+    def configs(op: str) -> list[dict]:
+        base = [e["config"] for e in tables[0].get(op, [])] if tables else []
+        out = []
+        for t in tables:
+            for e in t.get(op, []):
+                out += [{**b, **e["config"]} for b in base]
+        return out
+
+    ch, h, e, k, inter = 12288, 3072, 256, 8, 1024
+    cu3, sl3 = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    cuv = torch.tensor([0, 1, 5, 9], dtype=torch.int32)
+    for cc in ccs:
+        target["cc"] = cc
+        start = len(compiled)
+        attempt("rms_norm", norm.rms_norm, torch.randn(4, h, dtype=bf), torch.ones(h), 1e-6,
+                torch.randn(4, h, dtype=bf))
+        attempt("gated_rms_norm", norm.gated_rms_norm, torch.randn(64, 128, dtype=bf), torch.randn(64, 128, dtype=bf),
+                torch.ones(128, dtype=bf), 1e-6)
+        attempt("rope", rope.rope, torch.randn(4, 32, 256, dtype=bf), torch.randn(4, 2, 256, dtype=bf),
+                torch.zeros(4, dtype=torch.long), torch.randn(100, 64))
+        for cu in (cu3, cuv):
+            attempt("conv1d", conv1d.causal_conv1d, torch.randn(int(cu[-1]), ch, dtype=bf),
+                    torch.randn(ch, 4, dtype=bf), torch.randn(4, 3, ch, dtype=bf), cu, sl3)
+        attempt("gdn", gated_delta.gated_delta_rule_recurrent, torch.randn(3, 16, 128, dtype=bf),
+                torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 64, 128, dtype=bf), torch.randn(3, 64),
+                torch.rand(3, 64, dtype=bf), torch.randn(4, 64, 128, 128), cu3, sl3)
+        natives = (False, True) if cc >= 89 else (False,)
+        for native in natives:
+            attention.fp8_native = pa.fp8_native = lambda _d, n=native: n
+            for kvd in (bf, torch.float8_e4m3fn):
+                kc = torch.zeros(10, 16, 2, 256, dtype=kvd)
+                vc = kc.clone()
+                attempt("store_kv", attention.store_kv, torch.randn(3, 2, 256, dtype=bf),
+                        torch.randn(3, 2, 256, dtype=bf), kc, vc, torch.arange(3), 0.5, 0.5)
+                bt = torch.zeros(3, 4, dtype=torch.int32)
+                lens = torch.tensor([10, 20, 30], dtype=torch.int32)
+                for cfg in configs("paged_attention"):
+                    for cu, mq, splits in ((cu3, 1, None), (cu3, 1, 4), (cuv, 4, None)):
+                        attempt(f"paged_attention {cfg}", pa.paged_attention_launch,
+                                torch.randn(int(cu[-1]), 32, 256, dtype=bf), kc, vc, cu, lens, bt, 0.1, 1.0, 1.0,
+                                mq, 30, config=cfg, num_splits=splits)
+        attention.fp8_native = pa.fp8_native = tri.fp8_native
+        attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
+        attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
+        attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
+        for experts in (MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)),
+                        MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))):
+            for cfg in configs("fused_moe"):
+                for path, t in (("gemv", 2), ("sorted", 40)):
+                    attempt(f"fused_moe {path} {cfg}", fm.fused_moe_launch, torch.randn(t, h, dtype=bf),
+                            torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32), experts, path=path, config=cfg)
+        w = nvfp4(4096, 3072)
+        for cfg in configs("nvfp4_linear"):
+            for t, path, extra in ((1, "gemv", {}), (100, "gemm", {}), (100, "gemm", {"split_k": 3})):
+                attempt(f"nvfp4_linear {cfg}", nl.nvfp4_linear_launch, torch.randn(t, 3072, dtype=bf), w,
+                        path=path, config={**cfg, **extra})
+        seen = set()
+        limit = SMEM_LIMIT_KB.get(cc, 99)
+        print(f"\nsm_{cc}: {len(compiled) - start} launches compiled")
+        for name, kernel in compiled[start:]:
+            md = kernel.metadata
+            key = (name, md.shared, md.num_warps, md.num_stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            over = md.shared > limit * 1024
+            if over:
+                errors.append((name, f"sm_{cc}: {md.shared / 1024:.1f} KB shared > {limit} KB"))
+            print(f"  {name:28} warps={md.num_warps} stages={md.num_stages} shared={md.shared / 1024:6.1f} KB"
+                  + ("  OVER LIMIT" if over else ""))
+    print(f"\n{len(errors)} errors")
+    for name, err in errors:
+        print(f"  {name}: {err}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

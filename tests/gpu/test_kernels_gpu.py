@@ -1,0 +1,249 @@
+"""Triton kernels on a CUDA GPU, bf16 on the real Qwen3.5-122B-A10B and 397B-A17B layer shapes, against
+the torch references evaluated in fp32 on the same GPU. Run with NIBBLE_TEST_GPU=1 (skipped otherwise).
+
+    NIBBLE_TEST_GPU=1 python -m pytest tests/gpu/test_kernels_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("NIBBLE_TEST_GPU") != "1" or not torch.cuda.is_available(),
+    reason="GPU kernel tests need NIBBLE_TEST_GPU=1 and a CUDA device")
+
+from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
+from nibble.kernels import attention  # noqa: E402
+from nibble.kernels import paged_attention as pa  # noqa: E402
+from nibble.kernels.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
+from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
+from nibble.kernels.gated_delta import (  # noqa: E402
+    gated_delta_rule_fla,
+    gated_delta_rule_recurrent,
+    gated_delta_rule_ref,
+)
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref  # noqa: E402
+from nibble.kernels.moe_route import route  # noqa: E402
+from nibble.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
+from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
+from nibble.models.config import ModelConfig  # noqa: E402
+from nibble.models.quant_config import QuantConfig  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+TOL = 2e-2
+
+_COMMON = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320, "num_attention_heads": 32,
+           "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+           "rope_parameters": {"rope_theta": 10000000, "rope_type": "default", "partial_rotary_factor": 0.25},
+           "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "moe_intermediate_size": 1024,
+           "shared_expert_intermediate_size": 1024, "rms_norm_eps": 1e-6}
+SHAPES = {
+    "122B": {**_COMMON, "hidden_size": 3072, "num_hidden_layers": 48, "num_experts": 256, "num_experts_per_tok": 8},
+    "397B": {**_COMMON, "hidden_size": 4096, "num_hidden_layers": 60, "num_experts": 512, "num_experts_per_tok": 10},
+}
+NVFP4 = QuantConfig("NVFP4", 16, ("*self_attn*", "*linear_attn*", "*shared_expert*", "lm_head"))
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig.from_dict(SHAPES[name], quant=NVFP4)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    o = out.float()
+    assert torch.isfinite(o).all()
+    return float((o - ref.float()).norm() / ref.float().norm())
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+
+
+def random_nvfp4(*shape: int) -> NVFP4Tensor:
+    *lead, n, k = shape
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = (torch.rand(*lead, n, k // 16, device=DEV) * 2 + 0.05).to(torch.float8_e4m3fn)
+    return NVFP4Tensor(packed, scale, (torch.rand(*lead, n, device=DEV) + 0.5) * (0.5 / k ** 0.5))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 256, 4096])
+def test_norms_and_rope(name: str, t: int) -> None:
+    c = config(name)
+    x = torch.randn(t, c.hidden_size, device=DEV, dtype=BF16)
+    res = torch.randn(t, c.hidden_size, device=DEV, dtype=BF16)
+    w = 1 + 0.1 * torch.randn(c.hidden_size, device=DEV)
+    out, new_res = rms_norm(x, w, 1e-6, res)
+    s = (x + res).float()
+    assert rel(out, rms_norm_ref(s, w, 1e-6)[0]) < TOL and rel(new_res, s) < TOL
+    n, d = t * c.linear_num_value_heads, c.linear_value_head_dim
+    xg, g = torch.randn(n, d, device=DEV, dtype=BF16), torch.randn(n, d, device=DEV, dtype=BF16)
+    wg = torch.rand(d, device=DEV, dtype=BF16)
+    assert rel(gated_rms_norm(xg, g, wg, 1e-6), gated_rms_norm_ref(xg.float(), g.float(), wg.float(), 1e-6)) < TOL
+    cache = build_cos_sin_cache(c.rotary_dim, 65536, c.rope_theta, DEV)
+    pos = torch.randint(0, 65536, (t,), device=DEV)
+    qf = torch.randn(t, c.num_attention_heads, 2 * c.head_dim, device=DEV, dtype=BF16)
+    k = torch.randn(t, c.num_key_value_heads, c.head_dim, device=DEV, dtype=BF16)
+    q_ref, k_ref = rope_ref(qf[..., :c.head_dim].float(), k.float(), pos, cache)
+    q_out, k_out = rope(qf[..., :c.head_dim], k, pos, cache)
+    assert rel(q_out, q_ref) < TOL and rel(k_out, k_ref) < TOL
+
+
+def _paged(ctx_lens: list[int], q_lens: list[int], page: int, hk: int, d: int, kv_dtype: torch.dtype):
+    nb = [-(-(a + b) // page) for a, b in zip(ctx_lens, q_lens)]
+    total = sum(nb) + 5
+    perm = torch.randperm(total, device=DEV).to(torch.int32)
+    table = torch.zeros(len(nb), max(nb), dtype=torch.int32, device=DEV)
+    i = 0
+    for s, n in enumerate(nb):
+        table[s, :n] = perm[i:i + n]
+        i += n
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    ks, vs = (0.02, 0.015) if fp8 else (1.0, 1.0)
+    kc = (torch.randn(total, page, hk, d, device=DEV) / ks).to(kv_dtype)
+    vc = (torch.randn(total, page, hk, d, device=DEV) / vs).to(kv_dtype)
+    return table, kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_paged_attention(kv_dtype: torch.dtype, native_fp8: bool, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native_fp8:
+        if kv_dtype != torch.float8_e4m3fn:
+            pytest.skip("software FP8 path only matters for FP8 caches")
+        monkeypatch.setattr(pa, "fp8_native", lambda _d: False)
+        monkeypatch.setattr(attention, "fp8_native", lambda _d: False)
+    c = config("397B")
+    if mode == "decode":
+        ctx_lens, q_lens = [0, 17, 1000, 31000, 5, 4095], [1] * 6
+    else:
+        ctx_lens, q_lens = [0, 3000, 33], [1500, 700, 1]
+    for page in (16, 64):
+        table, kc, vc, ks, vs = _paged(ctx_lens, q_lens, page, c.num_key_value_heads, c.head_dim, kv_dtype)
+        t = sum(q_lens)
+        # the new tokens go through store_kv like in the model
+        pos = [torch.arange(a, a + b, device=DEV) for a, b in zip(ctx_lens, q_lens)]
+        slots = torch.cat([table[s, p // page].long() * page + p % page for s, p in enumerate(pos)])
+        k_new = torch.randn(t, c.num_key_value_heads, c.head_dim, device=DEV, dtype=BF16) * 0.3
+        v_new = torch.randn(t, c.num_key_value_heads, c.head_dim, device=DEV, dtype=BF16) * 0.3
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        attention.store_kv_ref(k_new, v_new, kc_ref, vc_ref, slots, ks, vs)
+        attention.store_kv(k_new, v_new, kc, vc, slots, ks, vs)
+        assert rel(kc.float(), kc_ref.float()) < 1e-2 and rel(vc.float(), vc_ref.float()) < 1e-2
+        q = torch.randn(t, c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
+        lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=DEV)
+        args = (cu(q_lens), lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
+        out = pa.paged_attention(q, kc, vc, *args)
+        kf = kc.float() if kv_dtype == BF16 else kc
+        vf = vc.float() if kv_dtype == BF16 else vc
+        ref = attention.paged_attention_ref(q.float(), kf, vf, *args)
+        assert rel(out, ref) < TOL, (page, rel(out, ref))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_conv1d(name: str) -> None:
+    c = config(name)
+    ch, w = c.linear_conv_dim, c.linear_conv_kernel_dim
+    for lens in ([1] * 64, [1, 700, 3, 2000]):
+        x = torch.randn(sum(lens), ch, device=DEV, dtype=BF16)
+        wt = torch.randn(ch, w, device=DEV, dtype=BF16) * 0.5
+        state = torch.randn(80, w - 1, ch, device=DEV, dtype=BF16)
+        slots = torch.randperm(80, device=DEV)[:len(lens)].to(torch.int32)
+        st_ref = state.float()
+        ref = causal_conv1d_ref(x.float(), wt.float(), st_ref, cu(lens), slots)
+        out = causal_conv1d(x, wt, state, cu(lens), slots)
+        assert rel(out, ref) < TOL and rel(state, st_ref) < TOL
+
+
+def _gdn_inputs(c: ModelConfig, t: int):
+    q = torch.randn(t, c.linear_num_key_heads, c.linear_key_head_dim, device=DEV, dtype=BF16)
+    k = torch.randn(t, c.linear_num_key_heads, c.linear_key_head_dim, device=DEV, dtype=BF16)
+    v = torch.randn(t, c.linear_num_value_heads, c.linear_value_head_dim, device=DEV, dtype=BF16)
+    g = -torch.rand(t, c.linear_num_value_heads, device=DEV) * 0.3
+    beta = torch.rand(t, c.linear_num_value_heads, device=DEV).to(BF16)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule_fla, gated_delta_rule_recurrent])
+def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn) -> None:
+    """Chunked prefill of sequences (with a mixed batch) then decode steps == the reference run over the
+    whole sequences at once."""
+    c = config("122B")
+    lens, decode_steps = [300, 1, 77], 4
+    total = [n + decode_steps for n in lens]
+    seqs = [_gdn_inputs(c, n) for n in total]
+    slots = torch.tensor([9, 2, 5], dtype=torch.int32, device=DEV)
+    shape = (12, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    state = torch.zeros(shape, device=DEV)
+    state_ref = torch.zeros(shape, device=DEV)
+    whole = [torch.cat([s[i] for s in seqs]) for i in range(5)]
+    ref = gated_delta_rule_ref(*[x.float() for x in whole], state_ref, cu(total), slots)
+    outs: list[list[torch.Tensor]] = [[] for _ in lens]
+    pre = [torch.cat([s[i][:n] for s, n in zip(seqs, lens)]) for i in range(5)]
+    o = fn(*pre, state, cu(lens), slots)
+    for j, part in enumerate(o.split(lens)):
+        outs[j].append(part)
+    for step in range(decode_steps):
+        dec = [torch.cat([s[i][n + step:n + step + 1] for s, n in zip(seqs, lens)]) for i in range(5)]
+        o = fn(*dec, state, cu([1, 1, 1]), slots)
+        for j in range(3):
+            outs[j].append(o[j:j + 1])
+    out = torch.cat([torch.cat(o) for o in outs])
+    assert rel(out, ref) < TOL
+    assert rel(state, state_ref) < TOL
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_route(name: str) -> None:
+    c = config(name)
+    logits = torch.randn(3000, c.num_experts, device=DEV)
+    w, ids = route(logits, c.num_experts_per_tok)
+    w_ref, ids_ref = route_ref(logits, c.num_experts_per_tok)
+    assert torch.equal(ids, ids_ref) and rel(w, w_ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("fp4", [True, False])
+def test_fused_moe(name: str, fp4: bool) -> None:
+    c = config(name)
+    h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    e = c.num_experts if fp4 else 64
+    if fp4:
+        experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    else:
+        experts = MoEWeights(torch.randn(e, 2 * inter, h, device=DEV, dtype=BF16) * h ** -0.5,
+                             torch.randn(e, h, inter, device=DEV, dtype=BF16) * inter ** -0.5)
+    for t in (1, 3, 64, 2048):
+        x = torch.randn(t, h, device=DEV, dtype=BF16)
+        w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+        ref = fused_moe_ref(x.float(), w, ids, experts)
+        for path in ("auto", "gemv", "sorted") if t <= 64 else ("auto",):
+            out = fused_moe_launch(x, w, ids, experts, path=path)
+            assert rel(out, ref) < TOL, (t, path, rel(out, ref))
+
+
+@pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])
+def test_nvfp4_linear(n: int, k: int) -> None:
+    w = random_nvfp4(n, k)
+    for t in (1, 2, 16, 100, 4096):
+        x = torch.randn(t, k, device=DEV, dtype=BF16)
+        ref = nvfp4_linear_ref(x.float(), w)
+        for path in ("auto", "gemv") if t <= 2 else ("auto",):
+            assert rel(nvfp4_linear_launch(x, w, path=path), ref) < TOL, (t, path)
+
+
+def test_select_kernels_real_122b() -> None:
+    from nibble.kernels.registry import select_kernels
+
+    kernels, report = select_kernels(config("122B"), DEV, BF16, torch.float8_e4m3fn)
+    print(report.table())
+    expected = {op: "triton" for op in kernels.backend_names}
+    expected["gated_delta_rule"] = "fla"
+    assert kernels.backend_names == expected, report.table()

@@ -1,0 +1,115 @@
+"""Routing, expert alignment and fused MoE (Triton, interpreter, fp32) against the references: NVFP4
+and dense experts, both paths, experts without tokens, token counts off the block sizes, chunking, expert id
+-1 (expert-parallel slots of other ranks) skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import poisoned, random_nvfp4, rel_err
+
+from nibble.kernels.fused_moe import fused_moe_launch
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
+from nibble.kernels.moe_align import moe_align, moe_align_ref
+from nibble.kernels.moe_route import route
+
+E, H, I, K = 6, 64, 48, 3
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route(renorm: bool) -> None:
+    logits = torch.randn(19, 37)
+    w, ids = route(logits, 5, renorm)
+    w_ref, ids_ref = route_ref(logits, 5, renorm)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
+
+
+@pytest.mark.parametrize("t,block_m", [(1, 16), (9, 4), (1400, 16)])
+def test_align(t: int, block_m: int) -> None:
+    ids = torch.randint(0, 9, (t, K), dtype=torch.int32)
+    ids[ids == 4] = 5
+    ids[ids == 7] = -1
+    al, ref = moe_align(ids, 10, block_m), moe_align_ref(ids, 10, block_m)
+    assert torch.equal(al.expert_count, ref.expert_count)
+    assert torch.equal(al.expert_start, ref.expert_start)
+    assert torch.equal(al.block_expert, ref.block_expert)
+    for e in range(10):
+        s, c = int(ref.expert_start[e]), int(ref.expert_count[e])
+        assert sorted(al.sorted_ids[s:s + c].tolist()) == ref.sorted_ids[s:s + c].tolist()
+
+
+def _experts(fp4: bool) -> MoEWeights:
+    w13, w2 = random_nvfp4(E, 2 * I, H), random_nvfp4(E, H, I)
+    return MoEWeights(w13, w2) if fp4 else MoEWeights(w13.dequantize(), w2.dequantize())
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize("path,t", [("gemv", 2), ("sorted", 7), ("generic_gemv", 2), ("generic_sorted", 7)])
+def test_fused_moe(fp4: bool, path: str, t: int) -> None:
+    experts = _experts(fp4)
+    x = torch.randn(t, H)
+    w, _ = route_ref(torch.randn(t, E), K)
+    ids = torch.randint(0, E - 1, (t, K), dtype=torch.int32)  # expert E-1 gets no tokens
+    out = poisoned(fused_moe_launch, [((t, H), x.dtype)], x, w, ids, experts, path=path)
+    assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
+
+
+@pytest.mark.parametrize("path,cfg", [
+    ("gemv", {"dn_token": False}), ("gemv", {"gu_split": 0, "dn_split": 0}),
+    ("gemv", {"gu_split": 1, "dn_split": 2, "gu_block_k": 32, "dn_block_k": 16}),
+    ("generic_gemv", {"gemv_dn_pairs": False})])
+def test_fused_moe_gemv_down_variants(path: str, cfg: dict) -> None:
+    experts = _experts(True)
+    x = torch.randn(3, H)
+    w, ids = route_ref(torch.randn(3, E), K)
+    out = fused_moe_launch(x, w, ids, experts, path=path, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
+
+
+@pytest.mark.parametrize("path,cfg", [
+    # K tails (H = 64 and I = 48 off BLOCK_K), blocks of 16 rows > an expert's pairs, odd BLOCK_N tails
+    ("sorted", {"chunk_pairs": 12, "block_t": 16, "gu_block_n": 32, "gu_block_k": 128, "dn_block_n": 16,
+                "dn_block_k": 64}),
+    ("gemv", {"gu_block_n": 32, "gu_block_k": 128, "dn_block_n": 16, "dn_block_k": 64, "gu_split": 0,
+              "dn_split": 0}),
+    ("gemv", {"gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16, "gu_split": 2,
+              "dn_split": 4}),
+    ("generic_sorted", {"chunk_pairs": 12, "block_m": 4, "gu_block_n": 32, "gu_block_k": 32, "dn_block_n": 16,
+                        "dn_block_k": 32}),
+])
+def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
+    experts = _experts(True)
+    t = 11
+    x = torch.randn(t, H)
+    w, ids = route_ref(torch.randn(t, E), K)
+    out = fused_moe_launch(x, w, ids, experts, path=path, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize("path", ["gemv", "sorted", "generic_gemv", "generic_sorted"])
+def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str) -> None:
+    """Slots with id -1 contribute nothing (their weights are ignored), tokens with every slot -1 give 0,
+    and the result equals the reference with those slots dropped."""
+    experts = _experts(fp4)
+    t = 5
+    x = torch.randn(t, H)
+    w, ids = route_ref(torch.randn(t, E), K)
+    ids[0, 1] = -1
+    ids[2, :] = -1
+    ids[4, 0] = -1
+    out = poisoned(fused_moe_launch, [((t, H), x.dtype)], x, w, ids, experts, path=path)
+    ref = fused_moe_ref(x, w, ids, experts)
+    assert torch.equal(out[2], torch.zeros(H))
+    assert rel_err(out, ref) < 1e-5
+    w_kept = torch.where(ids >= 0, w, torch.zeros_like(w))
+    ids_kept = torch.where(ids >= 0, ids, torch.zeros_like(ids))
+    assert rel_err(ref, fused_moe_ref(x, w_kept, ids_kept, experts)) < 1e-6
+
+
+def test_fused_moe_rejects_bad_shapes() -> None:
+    experts = _experts(True)
+    with pytest.raises(ValueError):
+        fused_moe_launch(torch.randn(2, H + 16), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts)
+    with pytest.raises(ValueError):
+        fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int64), experts)

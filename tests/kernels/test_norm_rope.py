@@ -1,0 +1,52 @@
+"""RMSNorm, gated RMSNorm and partial RoPE (Triton, interpreter, fp32) against the references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import poisoned, rel_err
+
+from nibble.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref
+
+
+@pytest.mark.parametrize("t,h", [(1, 37), (5, 300)])
+def test_rms_norm(t: int, h: int) -> None:
+    x, res = torch.randn(t, h), torch.randn(t, h) * 3
+    w = 1 + 0.1 * torch.randn(h)
+    x0, r0 = x.clone(), res.clone()
+    out, new_res = poisoned(rms_norm, [((t, h), torch.float32)] * 2, x, w, 1e-6, res)
+    ref, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    assert rel_err(out, ref) < 1e-6 and rel_err(new_res, ref_res) == 0
+    assert torch.equal(x, x0) and torch.equal(res, r0)
+    out, none = poisoned(rms_norm, [((t, h), torch.float32)], x, w, 1e-6)
+    assert none is None and rel_err(out, rms_norm_ref(x, w, 1e-6)[0]) < 1e-6
+
+
+def test_rms_norm_3d_input() -> None:
+    x = torch.randn(2, 3, 24)
+    w = torch.rand(24)
+    out, _ = rms_norm(x, w, 1e-5)
+    assert rel_err(out, rms_norm_ref(x, w, 1e-5)[0]) < 1e-6
+
+
+def test_gated_rms_norm() -> None:
+    x, g = torch.randn(37, 24), torch.randn(37, 24)
+    w = torch.rand(24)
+    out = poisoned(gated_rms_norm, [((37, 24), torch.float32)], x, g, w, 1e-6)
+    assert rel_err(out, gated_rms_norm_ref(x, g, w, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("rot", [8, 12])
+def test_rope_strided_in_place(rot: int) -> None:
+    t, hq, hk, d = 7, 5, 3, 24
+    cache = build_cos_sin_cache(rot, 64, 1e4)
+    pos = torch.randint(0, 64, (t,))
+    q_full = torch.randn(t, hq, 2 * d)
+    k = torch.randn(t, hk, d)
+    q_ref, k_ref = rope_ref(q_full[..., :d], k, pos, cache)
+    gate = q_full[..., d:].clone()
+    q_out, k_out = rope(q_full[..., :d], k, pos, cache)
+    assert rel_err(q_out, q_ref) < 1e-6 and rel_err(k_out, k_ref) < 1e-6
+    assert q_out.data_ptr() == q_full.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    assert torch.equal(q_full[..., d:], gate)

@@ -1,0 +1,95 @@
+"""Each rank's share of the weights, checked in one process (no process group is needed to load): a rank
+reads only its part of every split tensor, the parts of all ranks cover each tensor exactly once, other
+ranks' experts are not read at all, and shapes that cannot be split fail with a clear message."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from nibble.checkpoint import loader
+from nibble.checkpoint.loader import load_model
+from nibble.kernels.kernel_set import KernelSet
+from nibble.layers.moe import RoutedExperts
+from nibble.layers.parallel import ParallelContext, ParallelError, Partition, read_partition
+from nibble.models.config import ModelConfig
+
+SPLIT = ("experts", "embed_tokens", "lm_head", "q_proj", "in_proj_qkv", "in_proj_z", "o_proj", "out_proj",
+         "conv1d", "A_log", "dt_bias", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+
+_ORIGINAL_GET, _ORIGINAL_LOAD = loader.ShardTensor.__getitem__, loader.ShardTensor.load
+
+
+def _load_counting(model_dir: Path, parallel: ParallelContext, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Load one rank's model; returns elements read per checkpoint tensor name."""
+    read: dict[str, int] = defaultdict(int)
+    get, load = _ORIGINAL_GET, _ORIGINAL_LOAD
+
+    def counting_get(self: loader.ShardTensor, index: tuple[slice, ...]) -> torch.Tensor:
+        t = get(self, index)
+        read[self.name] += t.numel()
+        return t
+
+    def counting_load(self: loader.ShardTensor) -> torch.Tensor:
+        t = load(self)
+        read[self.name] += t.numel()
+        return t
+
+    monkeypatch.setattr(loader.ShardTensor, "__getitem__", counting_get)
+    monkeypatch.setattr(loader.ShardTensor, "load", counting_load)
+    config = ModelConfig.from_pretrained(model_dir)
+    load_model(model_dir, config, KernelSet.reference(), dtype=torch.float32, device="cpu", parallel=parallel)
+    return read
+
+
+@pytest.mark.parametrize("name", ["fp32", "nvfp4"])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_reads_only_its_share(name: str, expert_parallel: bool, checkpoints: dict[str, Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    tp = 4
+    model_dir = checkpoints[name]
+    reads = [_load_counting(model_dir, ParallelContext(r, tp, expert_parallel), monkeypatch) for r in range(tp)]
+    for tensor_name, tensor, _ in _all_tensors(model_dir):
+        numel = tensor.numel()
+        split = any(s in tensor_name for s in SPLIT) and numel > 1
+        per_rank = [r.get(tensor_name, 0) for r in reads]
+        if split:
+            assert sum(per_rank) == numel, f"{tensor_name}: ranks read {per_rank} of {numel} elements"
+            if expert_parallel and tensor_name.split(".experts.")[-1][:1].isdigit():
+                continue  # one expert's tensor: read whole, by the one rank that holds the expert
+            # ceil(rows / tp) rows per rank when the split is padded (a vocabulary of 254 over 4 ranks).
+            rows = tensor.shape[0]
+            bound = max(-(-numel // tp), -(-rows // tp) * (numel // rows))
+            assert max(per_rank) <= bound, f"{tensor_name}: a rank read {max(per_rank)} of {numel}"
+    if expert_parallel and name == "nvfp4":
+        # Per-expert tensors of other ranks' experts are not touched at all.
+        read0 = {n for n in reads[0] if ".experts." in n}
+        assert read0 and all(int(n.split(".experts.")[1].split(".")[0]) < 2 for n in read0)
+
+
+def _all_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor, Path]]:
+    from nibble.checkpoint.safetensors_io import iter_tensors, list_shards
+
+    return [(n, t, p) for n, t, p in iter_tensors(list_shards(model_dir))
+            if not n.startswith(("model.visual.", "mtp."))]
+
+
+def test_unsplittable_shapes_fail_clearly() -> None:
+    with pytest.raises(ParallelError, match=r"not a multiple of 16.*--enable-expert-parallel"):
+        RoutedExperts(8, 64, 64, quantized=True, dtype=torch.float32, device="meta",
+                      parallel=ParallelContext(0, 8))
+    with pytest.raises(ParallelError, match=r"num_experts \(expert parallelism\) \(8\) is not divisible"):
+        RoutedExperts(8, 64, 64, quantized=True, dtype=torch.float32, device="meta",
+                      parallel=ParallelContext(0, 3, expert_parallel=True))
+
+
+def test_read_partition_of_fused_parts() -> None:
+    t = torch.arange(24).reshape(12, 2)
+    part = Partition.concat([Partition(4, ((2, 4),)), Partition(4, ((2, 4),)), Partition(4, ((2, 4),))])
+    assert part.ranges == ((2, 4), (6, 8), (10, 12))
+    assert torch.equal(read_partition(t, (part,)), t[[2, 3, 6, 7, 10, 11]])
+    assert read_partition(t, (Partition.whole(12),)) is t
+    assert Partition.concat([Partition.whole(3), Partition.whole(5)]).is_whole

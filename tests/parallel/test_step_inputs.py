@@ -1,0 +1,17 @@
+"""StepInputs survive the trip through the int32 message rank 0 broadcasts."""
+
+from __future__ import annotations
+
+from nibble.engine.step_inputs import StepInputs
+
+
+def test_pack_unpack_round_trip() -> None:
+    steps = [
+        StepInputs([[5, 6, 7], [8]], [0, 12], [[3], [1, 2, 9, 4]], [2, 1], [2], [0, 1]),
+        StepInputs([[1]] * 3, [4, 5, 6], [[7, 8]] * 3, [1, 2, 3], [], [0, 1, 2]),
+        StepInputs([list(range(40))], [100], [list(range(35))], [7], [7], []),
+    ]
+    for step in steps:
+        message = step.pack()
+        assert message.dtype.itemsize == 4 and message.dim() == 1
+        assert StepInputs.unpack(message) == step

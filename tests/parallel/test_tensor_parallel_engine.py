@@ -1,0 +1,100 @@
+"""`LLM(..., tensor_parallel_size=2)`: the engine process is rank 0 and spawns rank 1. Greedy generations
+(batched, chunked prefill, then decode) match the single-process engine, with experts tensor-split or
+expert-parallel; the worker processes go away cleanly on shutdown, when a worker dies (the engine then
+fails fast instead of hanging in a collective) and when rank 0 dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nibble.engine.llm import LLM
+from nibble.engine.parallel import WorkerError
+from nibble.engine.sampling_params import SamplingParams
+from tests.parallel.launch import REPO_ROOT
+
+PROMPT_LENS = [9, 3, 17, 1, 6]
+MAX_TOKENS = 12
+ENGINE_ARGS = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=64, max_num_seqs=4)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(_prompts(llm.engine.model_config.vocab_size), params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` exits (or is a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints: dict[str, Path]) -> list[list[int]]:
+    """Greedy generations of the single-process engine."""
+    return _generate(LLM(model=str(checkpoints["fp32"]), **ENGINE_ARGS))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_engine_tp2_matches_single_process(expert_parallel: bool, checkpoints: dict[str, Path],
+                                           expected: list[list[int]]) -> None:
+    model = str(checkpoints["fp32"])
+    llm = LLM(model=model, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE_ARGS)
+    workers = llm.engine.workers
+    assert workers is not None
+    try:
+        assert _generate(llm) == expected
+        assert llm.engine.blocks.all_free()
+        if expert_parallel:
+            # A worker that dies makes the next step fail at once, not hang in a collective.
+            os.kill(workers.procs[0].pid, signal.SIGKILL)
+            time.sleep(1.5)
+            with pytest.raises(WorkerError, match="rank 1 exited"):
+                _generate(llm)
+    finally:
+        llm.engine.shutdown()
+    if not expert_parallel:
+        assert [p.returncode for p in workers.procs] == [0]
+
+
+def test_workers_exit_when_rank0_dies(checkpoints: dict[str, Path]) -> None:
+    script = (
+        "import sys\n"
+        "from nibble.engine.llm import LLM\n"
+        f"llm = LLM(model={str(checkpoints['fp32'])!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})\n"
+        "print(llm.engine.workers.procs[0].pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=env, cwd=REPO_ROOT, text=True)
+    try:
+        assert rank0.stdout is not None
+        worker_pid = int(rank0.stdout.readline())
+        rank0.kill()
+        rank0.wait()
+        assert _gone(worker_pid, timeout=20), f"worker {worker_pid} outlived rank 0"
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()

@@ -1,0 +1,173 @@
+"""/v1/completions over HTTP with the official openai client."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+from nibble.engine.tokenizer import Tokenizer
+from nibble.server.metrics import ServerMetrics
+from nibble.server.protocol import CompletionRequest
+from nibble.server.serving_completions import CompletionServing
+
+from .conftest import ServerHandle
+
+GREEDY = {"temperature": 0.0}
+NO_EOS = {"ignore_eos": True}
+
+
+def complete(client: openai.OpenAI, server: ServerHandle, prompt, **kwargs):
+    extra = kwargs.pop("extra_body", {})
+    return client.completions.create(model=server.model, prompt=prompt, extra_body={**NO_EOS, **extra}, **kwargs)
+
+
+def stream_text(client: openai.OpenAI, server: ServerHandle, prompt, **kwargs) -> tuple[dict[int, str], list]:
+    chunks = list(complete(client, server, prompt, stream=True, **kwargs))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return texts, chunks
+
+
+def test_basic_response(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    out = complete(client, server, "The capital of France is", max_tokens=8, **GREEDY)
+    assert out.id.startswith("cmpl-")
+    assert out.object == "text_completion"
+    assert out.model == server.model
+    assert out.created > 0
+    assert len(out.choices) == 1
+    choice = out.choices[0]
+    assert choice.index == 0 and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode("The capital of France is"))
+    assert out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+
+def test_default_max_tokens_is_16(client: openai.OpenAI, server: ServerHandle) -> None:
+    out = complete(client, server, "Hello", **GREEDY)
+    assert out.usage.completion_tokens == 16
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_stream_matches_non_stream(client: openai.OpenAI, server: ServerHandle) -> None:
+    full = complete(client, server, "Once upon a time", max_tokens=24, **GREEDY)
+    texts, chunks = stream_text(client, server, "Once upon a time", max_tokens=24,
+                                stream_options={"include_usage": True}, **GREEDY)
+    assert texts[0] == full.choices[0].text
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1 and next(iter(ids)).startswith("cmpl-")
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_batch_prompts_run_concurrently_and_match(client: openai.OpenAI, server: ServerHandle) -> None:
+    prompts = ["Alpha", "Beta gamma", "Delta"]
+    singles = [complete(client, server, p, max_tokens=12, **GREEDY).choices[0].text for p in prompts]
+    batch = complete(client, server, prompts, max_tokens=12, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == singles
+    assert batch.usage.completion_tokens == 36
+    texts, _ = stream_text(client, server, prompts, max_tokens=12, **GREEDY)
+    assert [texts[i] for i in range(3)] == singles
+
+
+def test_token_id_prompts(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Token ids work too")
+    by_text = complete(client, server, "Token ids work too", max_tokens=10, **GREEDY).choices[0].text
+    assert complete(client, server, ids, max_tokens=10, **GREEDY).choices[0].text == by_text
+    batch = complete(client, server, [ids, ids], max_tokens=10, **GREEDY)
+    assert [c.text for c in batch.choices] == [by_text, by_text]
+
+
+def test_concurrent_requests_match_sequential(client: openai.OpenAI, server: ServerHandle) -> None:
+    prompts = [f"Request number {i} says" for i in range(8)]
+    sequential = [complete(client, server, p, max_tokens=20, **GREEDY).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda p: complete(client, server, p, max_tokens=20, **GREEDY).choices[0].text,
+                                   prompts))
+    assert concurrent == sequential
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI, server: ServerHandle) -> None:
+    def sample(seed: int) -> str:
+        return complete(client, server, "Random words:", max_tokens=16, temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs_format(client: openai.OpenAI, server: ServerHandle) -> None:
+    out = complete(client, server, "Logprobs", max_tokens=10, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    assert all(v <= 0 for v in lp.token_logprobs)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4
+        assert top[token] == logprob
+        # Greedy: the sampled token is the most likely one.
+        assert logprob >= max(top.values()) - 1e-5
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    if "\ufffd" not in "".join(lp.tokens):
+        assert "".join(lp.tokens) == out.choices[0].text
+    chunks = list(complete(client, server, "Logprobs", max_tokens=10, logprobs=3, stream=True, **GREEDY))
+    streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    offsets = [o for c in chunks for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_stop_string_and_stop_token(client: openai.OpenAI, server: ServerHandle) -> None:
+    full = complete(client, server, "Stop test", max_tokens=20, logprobs=0, **GREEDY).choices[0]
+    text = full.text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in
+                text[i:i + 2])
+    out = complete(client, server, "Stop test", max_tokens=20, stop=[stop], **GREEDY).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert out.model_extra["stop_reason"] == stop
+    with_stop = complete(client, server, "Stop test", max_tokens=20, stop=[stop],
+                         extra_body={"include_stop_str_in_output": True}, **GREEDY).choices[0]
+    assert with_stop.text == text[: text.index(stop) + len(stop)]
+
+    streamed, _ = stream_text(client, server, "Stop test", max_tokens=20, stop=[stop], **GREEDY)
+    assert streamed[0] == out.text
+
+    # A token whose text encodes back to exactly one id, so that id is known to be in the output.
+    tokens = full.logprobs.tokens
+    tok = server.engine.engine.tokenizer
+    position, stop_id = next((i, tok.encode(t)[0]) for i, t in enumerate(tokens)
+                             if i >= 1 and len(tok.encode(t)) == 1 and tok.decode(tok.encode(t)) == t)
+    out = complete(client, server, "Stop test", max_tokens=20, extra_body={"stop_token_ids": [stop_id]}, **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop_id
+    assert out.usage.completion_tokens <= position + 1
+
+
+def test_explicit_null_max_tokens_fills_the_context(server: ServerHandle) -> None:
+    serving = _serving(server)
+    req = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None})
+    assert serving._max_tokens(req, 100) == serving.max_model_len - 100
+    req = CompletionRequest.model_validate({"prompt": "x"})
+    assert serving._max_tokens(req, 100) == 16
+    assert serving._max_tokens(req, serving.max_model_len - 3) == 3
+
+
+def test_generation_config_defaults_fill_unset_fields(server: ServerHandle) -> None:
+    serving = _serving(server)
+    defaults = server.engine.engine.generation_defaults.sampling_overrides()
+    unset = serving.sampling_params(CompletionRequest.model_validate({"prompt": "x"}), 16, None)
+    for name in ("temperature", "top_p", "top_k"):
+        if name in defaults:
+            assert getattr(unset, name) == defaults[name]
+    explicit = serving.sampling_params(
+        CompletionRequest.model_validate({"prompt": "x", "temperature": 0.0, "top_p": 0.5, "top_k": 3}), 16, None)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 0.5, 3)
+
+
+def _serving(server: ServerHandle) -> CompletionServing:
+    return CompletionServing(server.engine, server.model, {server.model}, ServerMetrics(server.engine, server.model))

@@ -1,0 +1,126 @@
+"""`nibble serve` command-line handling: flags -> EngineConfig, one-line errors, a real server process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nibble.engine.config import EngineConfig
+from nibble.server.launch import add_cli_args, engine_config_kwargs, run_cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_cli_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_defaults_are_engine_defaults() -> None:
+    args = parse()
+    assert EngineConfig(**engine_config_kwargs(args)) == EngineConfig(model="demo")
+    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 8000, None)
+
+
+def test_flags_map_to_engine_config() -> None:
+    args = parse("--model", "/m", "--tokenizer", "/t", "--served-model-name", "qwen", "--device", "cpu",
+                 "--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3", "--load-format", "dummy",
+                 "--max-model-len", "4096", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
+                 "--gpu-memory-utilization", "0.8", "--block-size", "32", "--enforce-eager", "--seed", "7",
+                 "--moe-backend", "triton", "--attention-backend", "torch", "--linear-backend", "triton",
+                 "--max-waiting-requests", "10", "--kv-cache-memory-gb", "2", "--log-level", "DEBUG")
+    config = EngineConfig(**engine_config_kwargs(args))
+    expected = {"model": "/m", "tokenizer": "/t", "served_model_name": "qwen", "device": "cpu", "dtype": "bfloat16",
+                "kv_cache_dtype": "fp8_e4m3", "load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 32,
+                "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.8, "block_size": 32,
+                "enforce_eager": True, "seed": 7, "moe_backend": "triton", "attention_backend": "torch",
+                "linear_backend": "triton", "max_waiting_requests": 10, "kv_cache_memory_gb": 2.0}
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert args.log_level == "debug"
+
+
+def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIBBLE_API_KEY", "sk-env")
+    assert parse().api_key == "sk-env"
+    assert parse("--api-key", "sk-flag").api_key == "sk-flag"
+
+
+def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse("--kv-cache-dtype", "int4")
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--model", "/no/such/dir"], "does not exist"),
+    (["--model", "{empty}"], "config.json"),
+    (["--block-size", "3"], "--block-size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--port", "{busy}"], "cannot listen"),
+])
+def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    subst = {"{empty}": str(tmp_path), "{busy}": str(busy.getsockname()[1])}
+    argv = [subst.get(a, a) for a in argv]
+    try:
+        code = run_cli(parse("--host", "127.0.0.1", "--port", "0", "--device", "cpu", *argv))
+    finally:
+        busy.close()
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert needle in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
+    port = _free_port()
+    argv = [sys.executable, "-m", "nibble.cli", "serve", "--model", model_kwargs["model"], "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "4",
+            "--served-model-name", "tiny", "--api-key", "sk-test"]
+    if "load_format" in model_kwargs:
+        argv += ["--load-format", model_kwargs["load_format"]]
+    env = {**os.environ, "NIBBLE_API_KEY": ""}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer sk-test"}
+        r = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert "cmpl-" in out and "completion 3 tokens" in out

@@ -1,0 +1,67 @@
+"""/health, /version, /v1/models and the Prometheus /metrics endpoint."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from nibble import __version__
+from nibble.server.api_server import build_app
+
+from .conftest import ServerHandle, metric_value
+
+METRIC_NAMES = (
+    "nibble:num_requests_running",
+    "nibble:num_requests_waiting",
+    "nibble:kv_cache_usage_perc",
+    "nibble:prompt_tokens_total",
+    "nibble:generation_tokens_total",
+    "nibble:request_success_total",
+    "nibble:time_to_first_token_seconds_bucket",
+    "nibble:time_per_output_token_seconds_bucket",
+    "nibble:e2e_request_latency_seconds_bucket",
+)
+
+
+def test_health_and_version(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json() == {"version": __version__}
+
+
+def test_models(client: openai.OpenAI, server: ServerHandle) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    card = models.data[0]
+    assert card.object == "model" and card.owned_by == "nibble"
+    assert card.model_extra["max_model_len"] == server.engine.engine.max_model_len
+    assert client.models.retrieve(server.model).id == server.model
+
+
+def test_metrics_count_requests(http: httpx.Client, server: ServerHandle) -> None:
+    before = http.get("/metrics").text
+    for name in METRIC_NAMES:
+        assert name in before, name
+    r = http.post("/v1/completions", json={"prompt": "count me", "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    http.post("/v1/completions", json={"prompt": "bad", "temperature": -1})
+    after = http.get("/metrics").text
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert delta("nibble:request_success_total", finished_reason="length") == 1
+    assert delta("nibble:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+    assert delta("nibble:generation_tokens_total") == 5
+    assert delta("nibble:e2e_request_latency_seconds_count") == 1
+    assert delta("nibble:time_to_first_token_seconds_count") == 1
+    assert delta("nibble:time_per_output_token_seconds_count") == 1
+    assert delta("nibble:request_generation_tokens_sum") == 5
+    assert delta("nibble:http_errors_total", status="400") == 1
+    assert metric_value(after, "nibble:num_requests_running") == 0
+    assert 0 <= metric_value(after, "nibble:kv_cache_usage_perc") <= 1
+
+
+def test_metrics_registry_is_per_app(server: ServerHandle) -> None:
+    a, b = build_app(server.engine), build_app(server.engine)
+    assert a.state.metrics.registry is not b.state.metrics.registry
