@@ -27,6 +27,9 @@ run() {  # run NAME LIMIT_S CMD...
   tail -n 25 "$OUT/$name.log" >> "$SUMMARY"
 }
 
+stage_versions() {
+  run versions 30 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"
+}
 stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
@@ -50,31 +53,31 @@ stage_profile122() {
   run profile122 300 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/profile122"
 }
 
-serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC EXTRA_SERVE_ARGS...
-  local name=$1 model=$2 sweep=$3 ppc=$4; shift 4
+serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAIT_S BENCH_S EXTRA_SERVE_ARGS...
+  local name=$1 model=$2 sweep=$3 ppc=$4 wait_s=$5 bench_s=$6; shift 6
   python3 -m nibble.cli serve --model "$model" --load-format dummy --tokenizer .bench_assets --port 8011 \
     --max-model-len 4096 "$@" > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
   local t0=$SECONDS
   until curl -sf http://127.0.0.1:8011/health > /dev/null; do
-    if ! kill -0 $pid 2>/dev/null || [ $((SECONDS - t0)) -gt 400 ]; then
+    if ! kill -0 $pid 2>/dev/null || [ $((SECONDS - t0)) -gt "$wait_s" ]; then
       echo "[serve_$name] server did not come up" | tee -a "$SUMMARY"; tail -n 30 "$OUT/serve_$name.log" >> "$SUMMARY"
       kill $pid 2>/dev/null; return
     fi
     sleep 2
   done
   echo "[serve_$name] up after $((SECONDS - t0))s" | tee -a "$SUMMARY"
-  run "bench_$name" 420 python3 -m nibble.cli bench serve --base-url http://127.0.0.1:8011 --tokenizer .bench_assets \
+  run "bench_$name" "$bench_s" python3 -m nibble.cli bench serve --base-url http://127.0.0.1:8011 --tokenizer .bench_assets \
     --prompt-token-ids --random-input-len 1024 --random-output-len 1024 --concurrency-sweep "$sweep" \
-    --prompts-per-concurrency "$ppc" --num-warmups 1 --disable-tqdm --save-result --result-dir "$OUT" \
+    --prompts-per-concurrency "$ppc" --num-warmups 0 --disable-tqdm --save-result --result-dir "$OUT" \
     --result-filename "bench_$name.json" --plot "$OUT/bench_$name.png"
   kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
   grep -E "kernels:|engine ready|captured" "$OUT/serve_$name.log" >> "$SUMMARY"
 }
-stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 --max-num-seqs 128; }
-stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 --max-num-seqs 128; }
+stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 200 260 --max-num-seqs 128; }
+stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 150 160 --max-num-seqs 128; }
 stage_peer35() {
-  run peer35 400 python3 benchmarks/transformers_peer.py --model $M/Qwen3.5-35B-A3B --batch-sizes 1,8 \
+  run peer35 150 python3 benchmarks/transformers_peer.py --model $M/Qwen3.5-35B-A3B --batch-sizes 1,8 \
     --input-len 1024 --output-len 64 --out "$OUT/peer35.json"
 }
 

@@ -306,20 +306,21 @@ def bench_norm(b: Bench, model: str, sizes: tuple[int, ...]) -> None:
                nbytes=4 * t * h * 2)
 
 
-SWEEP_GEMV = [dict(gemv_gu_block_n=bn, gemv_gu_block_k=bk, gemv_dn_block_n=dn, gemv_dn_block_k=dk, gemv_warps=wp,
-                   gemv_dn_pairs=pairs)
-              for bn, bk, dn, dk, wp, pairs in (
-                  (16, 512, 16, 512, 4, True), (16, 512, 16, 512, 4, False), (8, 512, 8, 512, 4, True),
-                  (8, 512, 8, 512, 4, False), (32, 256, 32, 256, 4, True), (16, 1024, 16, 1024, 8, True),
-                  (8, 1024, 8, 1024, 2, True), (32, 512, 32, 512, 8, True), (16, 256, 16, 256, 2, True),
-                  (4, 1024, 4, 1024, 2, True), (4, 512, 4, 512, 1, False))]
-SWEEP_SORTED = [dict(block_m=bm, gu_block_n=bn, gu_block_k=bk, dn_block_n=dn, dn_block_k=dk, gu_warps=wp,
-                     dn_warps=wp, gu_stages=st, dn_stages=st)
-                for bm, bn, bk, dn, dk, wp, st in (
-                    (16, 64, 128, 64, 128, 4, 2), (16, 32, 256, 64, 256, 4, 3), (16, 128, 128, 128, 128, 4, 3),
-                    (16, 64, 256, 128, 256, 8, 3), (32, 64, 128, 128, 128, 4, 3), (64, 64, 64, 128, 64, 4, 2),
-                    (64, 128, 64, 128, 64, 8, 3), (64, 128, 128, 256, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3),
-                    (32, 128, 128, 128, 128, 8, 4))]
+def _tiles(bn: int, bk: int, w: int, st: int, pre: str) -> dict[str, int]:
+    return {f"{pre}_block_n": bn, f"{pre}_block_k": bk, f"{pre}_warps": w, f"{pre}_stages": st}
+
+
+# NVFP4 fused_moe tile configurations (fields of tuning/default.json "fused_moe"; benchmarks/moe_bench.py has
+# a finer sweep with correctness checks)
+SWEEP_GEMV = [dict(xmode=xm, dn_mode=dm, **_tiles(*g, "gu"), **_tiles(*d, "dn")) for xm, dm, g, d in (
+    ("split", "reduce", (32, 256, 2, 4), (64, 256, 4, 3)), ("quad", "fused", (16, 256, 2, 4), (32, 256, 2, 4)),
+    ("quad", "fused", (32, 256, 4, 4), (64, 256, 4, 4)), ("quad", "reduce", (16, 256, 2, 4), (32, 256, 2, 4)),
+    ("quad", "token", (16, 256, 2, 4), (16, 256, 1, 4)), ("quad", "fused", (16, 512, 2, 3), (32, 512, 2, 3)))]
+SWEEP_SORTED = [dict(xmode=xm, block_t=bt, **_tiles(*g, "gu"), **_tiles(*d, "dn")) for xm, bt, g, d in (
+    ("split", 16, (64, 128, 4, 4), (64, 128, 4, 4)), ("quad", 4, (32, 256, 2, 4), (32, 256, 2, 4)),
+    ("quad", 4, (64, 128, 4, 4), (64, 128, 4, 4)), ("quad", 8, (32, 256, 4, 4), (64, 256, 4, 4)),
+    ("perm", 16, (64, 128, 4, 4), (64, 128, 4, 4)), ("split", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
+    ("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)), ("perm", 128, (128, 64, 8, 3), (128, 64, 8, 3)))]
 
 
 def sweep_moe(b: Bench, model: str) -> dict[str, Any]:
@@ -332,7 +333,7 @@ def sweep_moe(b: Bench, model: str) -> dict[str, Any]:
         x = torch.randn(t, h, device=DEV, dtype=BF16)
         w, ids = route(torch.randn(t, e, device=DEV), k)
         trials = [("gemv", c) for c in SWEEP_GEMV] if t <= 16 else []
-        trials += [("sorted", c) for c in SWEEP_SORTED if t > 256 or c["block_m"] <= 32]
+        trials += [("sorted", c) for c in SWEEP_SORTED if (t > 256) == (c["block_t"] >= 64)]
         for path, cfg in trials:
             if b.out_of_time():
                 break

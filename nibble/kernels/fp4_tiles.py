@@ -113,7 +113,7 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
         sign = f"shl.b32 s, $4, {ss};" if ss else "mov.b32 s, $4;"
         lines += [mag, f"and.b32 m, m, {mag_mask:#010x};", sign, "and.b32 s, s, 0x80008000;", "or.b32 m, m, s;",
                   f"fma.rn.{op} ${t}, m, $5, z;"]
-    return "\n".join(lines + ["}"])
+    return "\n".join([*lines, "}"])
 
 
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None

@@ -5,12 +5,22 @@ Two paths, picked per call from the token count (tuning tables `fused_moe` for N
 `fused_moe_dense` otherwise; host ints only, no sync, a fixed grid per T: CUDA-graph safe):
 - `gemv` (small decode batches): one block per (token, expert) pair, no sorting launch;
 - `sorted` (larger batches, prefill): pairs sorted by expert (moe_align.py) into blocks of one expert.
-NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py (gate_up with SiLU*up fused;
-down with the routing weight fused, then either a fixed-order top-k sum or, in the `gemv` path, a per-token
-down kernel that sums the k experts itself: 2 launches in all). Dense experts run the older per-pair GEMV
-(moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select
-for NVFP4 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound
-the [pairs, H] intermediate.
+NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down
+with the routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one
+small extra launch; "fused" = done by the down kernel's last program per token and slice, `gemv` path only;
+"token" = a per-token down kernel that loops over the k experts). `xmode` picks how the activations meet
+the weights' stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per
+block of the sorted path. Dense experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM
+(moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4
+baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
+intermediate.
+
+Measured on one H200 (benchmarks/moe_bench.py, copy ceiling 4.26 TB/s) with the first version of these
+kernels, whose structure and tiles are the "split" configurations in tuning/default.json: 122B-A10B layer
+T=1 ~39 us (before: 50.5), T=8 150 (345), T=32 409 (973), T=256 613 (2647), T=2048 1.90 ms = 162 TFLOP/s
+(8.7 ms); 35B-A3B T=1 ~20 us (28.5), T=32 150 (337). The code was reorganised since (gate and up rows in
+one tile, the "quad" / "perm" activation modes, the fused top-k sum): checked on CPU and compiled for
+sm_80 / sm_90, not yet re-timed on the GPU.
 """
 
 from __future__ import annotations
@@ -26,11 +36,13 @@ from nibble.kernels.moe_align import moe_align
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
 from nibble.kernels.moe_w4 import (
+    PERM,
+    QUAD,
+    SPLIT,
     moe_w4_down_kernel,
     moe_w4_down_token_kernel,
-    moe_w4_down_token_split_kernel,
     moe_w4_gate_up_kernel,
-    moe_w4_gate_up_split_kernel,
+    permute4_kernel,
 )
 from nibble.kernels.tuning_tables import lookup
 
@@ -61,6 +73,14 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
               experts: MoEWeights) -> torch.Tensor:
     """Triton `fused_moe_ref`: x [T, H], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H]."""
     return fused_moe_launch(x, topk_weights, topk_ids, experts)
+
+
+def fused_moe_generic(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      experts: MoEWeights) -> torch.Tensor:
+    """The first-generation kernels (per-pair GEMV / grouped GEMM, FP4 decoded by table): slower than
+    `fused_moe`, but a separate code path, so the registry can fall back to it if `fused_moe` fails its
+    self-test on some GPU/Triton combination."""
+    return fused_moe_launch(x, topk_weights, topk_ids, experts, path="generic_auto")
 
 
 def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
@@ -97,7 +117,7 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     generic = path.startswith("generic_") or not fp4
     cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
     cfg.update(config or {})
-    if path == "auto":
+    if path in ("auto", "generic_auto"):
         path = cfg["path"]
     path = path.removeprefix("generic_")
     if path not in ("gemv", "sorted"):
@@ -125,6 +145,23 @@ def _units(q: torch.Tensor, st: tuple[int, int, int, int]) -> tuple[torch.Tensor
     return q.view(torch.int16), st[0] // 2, st[1] // 2
 
 
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
+
+
+def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 counters for the fused top-k sum of `moe_w4_down_kernel`, kept per device (every use
+    leaves them at zero again); allocated on first use, so that a call inside CUDA-graph capture never
+    needs a fresh buffer once an eager call of the same size has run."""
+    buf = _SEMAPHORES.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # no allocation during capture: fall back to the reduce launch
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _SEMAPHORES[device] = buf
+    return buf
+
+
 def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int, top_k: int,
         w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
     """NVFP4 experts through moe_w4.py (see the module docstring)."""
@@ -138,58 +175,67 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     dbn, dbk = cfg["dn_block_n"], cfg["dn_block_k"]
     gkw = {"num_warps": cfg["gu_warps"], "num_stages": cfg["gu_stages"]}
     dkw = {"num_warps": cfg["dn_warps"], "num_stages": cfg["dn_stages"]}
+    if dec == 0 and not interpreting():
+        # fp32 activations (fp32 models, tests): the tables are tuned for 16-bit tiles, which spill in fp32
+        gbk, dbk = min(gbk, 64), min(dbk, 64)
+        gkw["num_stages"] = dkw["num_stages"] = 2
     if path == "gemv":
-        bt = 16  # one pair per block: the MMA's narrowest token side
+        # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
         act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
         flat = ids.view(-1)
-        gsp, dsp = cfg["gu_split"], cfg["dn_split"]
-        if gsp:
-            moe_w4_gate_up_split_kernel[(t * top_k, cdiv(inter, gbn))](
-                x, u13, s13, g13, act, flat, top_k, h, inter, x.stride(0), sq13e, sq13n, st13[2], st13[3],
-                act.stride(0), DEC=dec, EVEN_K=h % (gsp * gbk) == 0, SPLIT=gsp, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
-        else:
-            moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
-                x, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, x.stride(0), sq13e, sq13n,
-                st13[2], st13[3], act.stride(0), SORTED=False, DEC=dec, EVEN_K=h % gbk == 0, BLOCK_T=bt,
-                BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
-        if cfg["dn_token"] and dsp:
-            moe_w4_down_token_split_kernel[(t, cdiv(h, dbn))](
-                act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
-                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % (dsp * dbk) == 0, SPLIT=dsp, BLOCK_N=dbn,
-                BLOCK_K=dbk, **dkw)
-            return
-        if cfg["dn_token"]:
+        xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
+        slots = 4 if xmode == QUAD else 16
+        moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
+            x, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, x.stride(0), sq13e, sq13n,
+            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
+            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
+        mode = cfg["dn_mode"]
+        if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
-                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn,
-                BLOCK_K=dbk, **dkw)
+                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_N=dbn, BLOCK_K=dbk, **dkw)
             return
+        tiles = cdiv(h, dbn)
+        sem = _semaphores(x.device, t * tiles) if mode == "fused" else None
         y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
-        moe_w4_down_kernel[(t * top_k, cdiv(h, dbn))](
-            act, u2, s2, g2, y, tw, flat, flat, flat, flat, flat, h, inter, act.stride(0), sq2e, sq2n, st2[2],
-            st2[3], y.stride(0), SORTED=False, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn,
-            BLOCK_K=dbk, **dkw)
-        moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024,
-                                              num_warps=4)
+        moe_w4_down_kernel[(t * top_k, tiles)](
+            act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, flat, flat, h, inter,
+            act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
+            XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
+            BLOCK_K=dbk, ON_GPU=not interpreting(), **dkw)
+        if sem is None:
+            moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
+                                                  BLOCK=1024, num_warps=4)
         return
-    bt = cfg["block_t"]
+    xmode = XMODES[cfg["xmode"]]
+    if xmode == PERM and (h % 4 or inter % 4):
+        xmode = SPLIT
+    # the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise
+    slots = max(cfg["block_t"], 4 if xmode == QUAD else 16)
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
     act = torch.empty((chunk * top_k, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
+    xp = torch.empty((chunk, h), dtype=x.dtype, device=x.device) if xmode == PERM else None
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
-        al = moe_align(ids_c, e, bt)
+        al = moe_align(ids_c, e, slots)
         blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
         flat = ids_c.view(-1)
+        xs = x[c0:c1]
+        if xp is not None:
+            blk_u = 256
+            permute4_kernel[(c1 - c0, cdiv(h // 4, blk_u))](xs, xp, h, xs.stride(0), xp.stride(0), BLOCK=blk_u,
+                                                            num_warps=4)
+            xs = xp
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
-            x[c0:c1], u13, s13, g13, act, flat, *blk, top_k, h, inter, x.stride(0), sq13e, sq13n, st13[2],
-            st13[3], act.stride(0), SORTED=True, DEC=dec, EVEN_K=h % gbk == 0, BLOCK_T=bt, BLOCK_N=gbn,
-            BLOCK_K=gbk, **gkw)
+            xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
+            act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,
+            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
         moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
-            act, u2, s2, g2, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
-            y.stride(0), SORTED=True, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_T=bt, BLOCK_N=dbn, BLOCK_K=dbk,
-            **dkw)
+            act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
+            y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
+            EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn, BLOCK_K=dbk, ON_GPU=not interpreting(), **dkw)
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4)
 

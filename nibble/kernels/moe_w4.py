@@ -1,23 +1,34 @@
 """NVFP4 (W4A16) expert kernels of `fused_moe`: weight-stationary tensor-core tiles ("swap AB").
 
-Every program owns BLOCK_N weight rows of one expert and up to BLOCK_T (token, expert) pairs of that
-expert, and computes acc[BLOCK_N, BLOCK_T] = W[rows, :] @ A[pairs, :]^T: the weights are the wide M side
-of the MMA, dequantised in registers straight into its A operand (`fp4_decode4`, ~2.5 ops per weight),
-and the few tokens are the narrow N side (padded to 16). So a weight tile is read from memory and
-dequantised once for all the expert's tokens of the block, tensor cores do the multiply at any batch
-size (even 1 token: the MMA has throughput to spare and the CUDA cores stay free for the decode), and the
-K loop is a dot loop that Triton software-pipelines with asynchronous copies (several weight tiles in
-flight per program, which is what decode bandwidth needs).
+A program owns BLOCK_N weight rows of one expert and a block of that expert's (token, expert) pairs, and
+computes acc[rows, tokens] = W[rows, :] @ A[pairs, :]^T: the weights are the wide M side of the MMA,
+dequantised in registers straight into its A operand (`fp4_decode4`, ~2.5 ops per weight), the few tokens
+are the narrow N side. A weight tile is read and dequantised once for all tokens of the block, tensor cores
+do the multiply at any batch size (the MMA has throughput to spare and the CUDA cores stay free for the
+decode), and the K loop is a dot loop that Triton software-pipelines with asynchronous copies.
+
+`fp4_decode4` yields the weights as four stride-4 slices of K (W_t[:, u] = W[:, 4u + t]), so the
+activations must be sliced the same way. How (constexpr XMODE):
+- 0, "quad" (decode): B[u, 4j + c] = A[pair_j, k0 + 4u + c], i.e. each token slot j spans 4 columns
+  holding the 4 slices; the 4 dots W_t @ B land slice t of token j in column 4j + t of accumulator t, the
+  epilogue picks those columns. B is one plain tile (8 contiguous bytes per (u, j)) that goes to shared
+  memory by asynchronous copy and into the MMA as is, and 4 slots fill the MMA's minimal 16 columns, so a
+  single token pads 16 columns with zeros that are never loaded. Best while tokens per block are few.
+- 1, "perm" (prefill): the activations are stored pre-permuted, A'[m, t * K/4 + u] = A[m, 4u + t]
+  (`permute4_kernel` for x; gate_up writes its output that way for down), so each slice is a contiguous
+  [BLOCK_K/4, tokens] tile: no wasted MMA columns.
+- 2, "split": the natural activation tile is split into the 4 slices in registers (`x_split4`).
 
 Rows of a program ("blocks"):
-- pairs mode (SORTED = False, small decode batches): block p is pair p alone (no sorting launch);
-- sorted mode: blocks of `moe_align` (BLOCK_T pairs of one expert; -1 blocks past the end exit).
+- pairs mode (SORTED = False, small decode batches): block p is pair p alone, no sorting launch;
+- sorted mode: the blocks of `moe_align` (pairs of one expert; -1 blocks past the end exit at once).
 Expert id -1 (a slot routed to another expert-parallel rank) is skipped: no program loads its weights.
 
-Kernels: `moe_w4_gate_up_kernel` (act = silu(x W_gate^T) * (x W_up^T)), `moe_w4_down_kernel` (y[pair] =
-topk_w * act W_down^T, summed over the top-k by `moe_gemm.moe_reduce_kernel`), and
-`moe_w4_down_token_kernel` (one program per (token, hidden slice) looping over the token's k experts in one
-flattened, pipelined loop and writing the final sum: no reduce launch, for small batches).
+Kernels: `moe_w4_gate_up_kernel` (act = silu(x W_gate^T) * (x W_up^T); gate and up rows of a slice form
+one tile), `moe_w4_down_kernel` (y[pair] = topk_w * act W_down^T; the top-k sum is `moe_reduce_kernel`,
+or, in pairs mode with FUSED_SUM, done by the last program of each (token, slice) to finish, in fixed j
+order: deterministic and one launch fewer), `moe_w4_down_token_kernel` (one program per (token, slice)
+looping over the token's k experts in one flattened, pipelined loop, writing the final sum).
 """
 
 from __future__ import annotations
@@ -26,172 +37,273 @@ from nibble.kernels._triton import tl, triton
 from nibble.kernels.fp4_tiles import FP4_SCALE_SHIFT, fp4_decode4, x_split4
 
 _GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
+QUAD, PERM, SPLIT = 0, 1, 2
 
 
 @triton.jit
-def _rows(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED: tl.constexpr,
-          BLOCK_T: tl.constexpr):
-    """(expert, pair ids [BLOCK_T], valid [BLOCK_T]) of this program's block; expert < 0: nothing to do."""
+def _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED: tl.constexpr,
+           SLOTS: tl.constexpr, REP: tl.constexpr):
+    """(expert, pair [SLOTS * REP], valid [SLOTS * REP]) of this program's block; entry i is token slot
+    i // REP. Expert < 0: nothing to do."""
     pid = tl.program_id(0)
-    tt = tl.arange(0, BLOCK_T)
+    slot = tl.arange(0, SLOTS * REP) // REP
     if SORTED:
         e = tl.load(block_expert_ptr + pid)
         ec = tl.maximum(e, 0)
         end = tl.load(start_ptr + ec) + tl.load(count_ptr + ec)
-        rows = pid * BLOCK_T + tt
+        rows = pid * SLOTS + slot
         valid = (rows < end) & (e >= 0)
         pair = tl.load(sorted_ptr + rows, mask=valid, other=0)
     else:
         e = tl.load(ids_ptr + pid)
-        valid = tt == 0
-        pair = pid + tt * 0
+        valid = slot == 0
+        pair = pid + slot * 0
     return e, pair, valid
 
 
 @triton.jit
-def _tr(a):
-    """Swap the last two dims (2-D or batched 3-D)."""
-    if len(a.shape) == 3:
-        return tl.permute(a, 0, 2, 1)
+def _b_quad(row_ptr, valid, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Quad-mode activation tile [BLOCK_K/4, N]: B[u, col] = A[row(col), k0 + 4u + col % 4]; row_ptr,
+    valid: [N] per column (token slot col // 4)."""
+    N: tl.constexpr = row_ptr.shape[0]
+    u = tl.arange(0, BLOCK_K // 4)
+    k = k0 + 4 * u[:, None] + (tl.arange(0, N) % 4)[None, :]
+    m = valid[None, :]
+    if not EVEN_K:
+        m = m & (k < n_k)
+    return tl.load(row_ptr[None, :] + k, mask=m, other=0.0)
+
+
+@triton.jit
+def _w_tile(q_rows, s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Packed unit tile [R, BLOCK_K/4] (int16) and its scales [R, BLOCK_K/16] (uint8) at K offset k0;
+    q_rows / s_rows: [R] row pointers (units / scale bytes)."""
+    u = tl.arange(0, BLOCK_K // 4)
+    g = tl.arange(0, BLOCK_K // 16)
+    if EVEN_K:
+        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :])
+        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :])
     else:
-        return tl.trans(a)
+        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :], mask=(k0 // 4 + u < n_k // 4)[None, :], other=0)
+        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :], mask=(k0 // 16 + g < n_k // 16)[None, :], other=0)
+    return q, s
 
 
 @triton.jit
-def _dot(w, a, acc, DEC: tl.constexpr):
+def _dot(w, b, acc, DEC: tl.constexpr):
+    """acc += w @ b (b [K, N]); fp32 activations (DEC 0: tests, fp32 models) in exact fp32."""
     if DEC == 0:
-        # fp32 activations (tests, fp32 models): exact fp32 products
-        return tl.dot(w, _tr(a), acc, input_precision="ieee")
+        return tl.dot(w, b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(w, _tr(a), acc)
+        return tl.dot(w, b, acc)
 
 
 @triton.jit
-def _mma4(w0, w1, w2, w3, a, acc, DEC: tl.constexpr):
-    """acc[.., N, T] += W @ a^T for a decoded weight tile (4 stride-4 K slices) and an activation tile
-    a [.., T, K]."""
-    if DEC == 0:
-        a = a.to(tl.float32)
-    a0, a1, a2, a3 = x_split4(a)
-    acc = _dot(w0, a0, acc, DEC)
-    acc = _dot(w1, a1, acc, DEC)
-    acc = _dot(w2, a2, acc, DEC)
-    acc = _dot(w3, a3, acc, DEC)
-    return acc
+def _k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, XMODE: tl.constexpr,
+            DEC: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step: decode the weight tile and accumulate it against the activations. b_ptr: [N] activation
+    row pointers per MMA column (quad) or per token (perm, split). Quad mode uses the four accumulators
+    (one per slice), the others only acc0. n_rows_perm: K / 4 (perm mode: distance between slices)."""
+    w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
+    if XMODE == 0:
+        b = _b_quad(b_ptr, valid, k0, n_k, BLOCK_K, EVEN_K)
+        acc0 = _dot(w0, b, acc0, DEC)
+        acc1 = _dot(w1, b, acc1, DEC)
+        acc2 = _dot(w2, b, acc2, DEC)
+        acc3 = _dot(w3, b, acc3, DEC)
+    elif XMODE == 1:
+        u = tl.arange(0, BLOCK_K // 4)
+        p = b_ptr[None, :] + (k0 // 4 + u)[:, None]
+        m = valid[None, :]
+        if not EVEN_K:
+            m = m & (k0 // 4 + u < n_k // 4)[:, None]
+        acc0 = _dot(w0, tl.load(p, mask=m, other=0.0), acc0, DEC)
+        acc0 = _dot(w1, tl.load(p + n_rows_perm, mask=m, other=0.0), acc0, DEC)
+        acc0 = _dot(w2, tl.load(p + 2 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
+        acc0 = _dot(w3, tl.load(p + 3 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        m = valid[:, None]
+        if not EVEN_K:
+            m = m & (kk < n_k)[None, :]
+        a0, a1, a2, a3 = x_split4(tl.load(b_ptr[:, None] + kk[None, :], mask=m, other=0.0))
+        acc0 = _dot(w0, tl.trans(a0), acc0, DEC)
+        acc0 = _dot(w1, tl.trans(a1), acc0, DEC)
+        acc0 = _dot(w2, tl.trans(a2), acc0, DEC)
+        acc0 = _dot(w3, tl.trans(a3), acc0, DEC)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _mma4x4(w0, w1, w2, w3, a, acc0, acc1, acc2, acc3, DEC: tl.constexpr):
-    """`_mma4` into four accumulators: four independent MMA chains instead of one, so that the short
-    per-warp tiles of the split kernels are not bound by the MMA latency."""
-    if DEC == 0:
-        a = a.to(tl.float32)
-    a0, a1, a2, a3 = x_split4(a)
-    return _dot(w0, a0, acc0, DEC), _dot(w1, a1, acc1, DEC), _dot(w2, a2, acc2, DEC), _dot(w3, a3, acc3, DEC)
+def _finish(acc0, acc1, acc2, acc3, XMODE: tl.constexpr):
+    """[M, N] accumulators -> [M, token slots]: quad mode picks column 4j + t of accumulator t."""
+    if XMODE == 0:
+        M: tl.constexpr = acc0.shape[0]
+        N: tl.constexpr = acc0.shape[1]
+        c = (tl.arange(0, N) % 4)[None, :]
+        acc = tl.where(c == 0, acc0, 0.0) + tl.where(c == 1, acc1, 0.0)
+        acc += tl.where(c == 2, acc2, 0.0) + tl.where(c == 3, acc3, 0.0)
+        return tl.sum(tl.reshape(acc, [M, N // 4, 4]), axis=2)
+    else:
+        return acc0
+
+
+@triton.jit
+def _act_col(n, inter, ACT_PERM: tl.constexpr):
+    """Column of feature n in the activation buffer: natural, or permuted for a PERM-mode consumer."""
+    if ACT_PERM:
+        return (n % 4) * (inter // 4) + n // 4
+    else:
+        return n
 
 
 @triton.jit
 def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, start_ptr,
                           count_ptr, top_k, hidden, inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn,
-                          stride_at, SORTED: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs and BLOCK_N
-    features. q_ptr: w13 packed as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3 scales as uint8
-    [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; act: [pairs, I]."""
-    e, pair, valid = _rows(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, BLOCK_T)
+                          stride_at, SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
+                          DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
+    slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
+    scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
+    act: [pairs, I] (ACT_PERM: permuted rows)."""
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
+    NCOL: tl.constexpr = SLOTS * REP
+    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
     if e < 0:
         return
     e64 = e.to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nc = tl.minimum(n, inter - 1).to(tl.int64)  # clamped rows load real memory; their results are not stored
-    u = tl.arange(0, BLOCK_K // 4)
-    gi = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    qg = q_ptr + e64 * stride_qe + nc[:, None] * stride_qn + u[None, :]
-    qu = qg + inter * stride_qn
-    sg = s_ptr + e64 * stride_se + nc[:, None] * stride_sn + gi[None, :]
-    su = sg + inter * stride_sn
-    xr = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt + kk[None, :]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
+    r = tl.arange(0, 2 * BLOCK_N)
+    n_r = tl.minimum(tl.program_id(1) * BLOCK_N + r % BLOCK_N, inter - 1)  # clamped rows: results not stored
+    rows = (n_r + (r // BLOCK_N) * inter).to(tl.int64)
+    q_rows = q_ptr + e64 * stride_qe + rows * stride_qn
+    s_rows = s_ptr + e64 * stride_se + rows * stride_sn
+    b_ptr = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    acc0 = tl.zeros([2 * BLOCK_N, NCOL], tl.float32)
+    acc1 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
+    acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
+    acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(xr + k0, mask=valid[:, None], other=0.0)
-            wq_g, ws_g = tl.load(qg + k0 // 4), tl.load(sg + k0 // 16)
-            wq_u, ws_u = tl.load(qu + k0 // 4), tl.load(su + k0 // 16)
-        else:
-            km = (k0 + kk < hidden)[None, :]
-            qm = (k0 // 4 + u < hidden // 4)[None, :]
-            sm = (k0 // 16 + gi < hidden // 16)[None, :]
-            a = tl.load(xr + k0, mask=valid[:, None] & km, other=0.0)
-            wq_g, ws_g = tl.load(qg + k0 // 4, mask=qm, other=0), tl.load(sg + k0 // 16, mask=sm, other=0)
-            wq_u, ws_u = tl.load(qu + k0 // 4, mask=qm, other=0), tl.load(su + k0 // 16, mask=sm, other=0)
-        w0, w1, w2, w3 = fp4_decode4(wq_g, ws_g, DEC)
-        acc_g = _mma4(w0, w1, w2, w3, a, acc_g, DEC)
-        w0, w1, w2, w3 = fp4_decode4(wq_u, ws_u, DEC)
-        acc_u = _mma4(w0, w1, w2, w3, a, acc_u, DEC)
-    g_row = g_ptr + e64 * 2 * inter + nc
-    hg = acc_g * (tl.load(g_row) * _GSCALE)[:, None]
-    hu = acc_u * (tl.load(g_row + inter) * _GSCALE)[:, None]
+        q, s = _w_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
+                                         XMODE, DEC, BLOCK_K, EVEN_K)
+    h = _finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * _GSCALE)[:, None]
+    hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
-    tl.store(act_ptr + pair.to(tl.int64)[None, :] * stride_at + n[:, None], act.to(act_ptr.dtype.element_ty),
-             mask=(n < inter)[:, None] & valid[None, :])
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sl = tl.arange(0, SLOTS)
+    if SORTED:
+        pid = tl.program_id(0)
+        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
+        ok = pid * SLOTS + sl < end
+        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
+    else:
+        ok = sl == 0
+        pr = tl.program_id(0) + sl * 0
+    tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
+             act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
 
 
 @triton.jit
-def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, topk_w_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
-                       start_ptr, count_ptr, hidden, inter, stride_at, stride_qe, stride_qn, stride_se, stride_sn,
-                       stride_yt, SORTED: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, topk_w_ptr, ids_ptr, sorted_ptr,
+                       block_expert_ptr, start_ptr, count_ptr, hidden, inter, stride_at, stride_qe, stride_qn,
+                       stride_se, stride_sn, stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
+                       XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
+                       SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
-    (w2 packed [E, H, I/4] units, scales [E, H, I/16], global [E, H]); y: [pairs, H]."""
-    e, pair, valid = _rows(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, BLOCK_T)
+    (w2 as units [E, H, I/4], scales [E, H, I/16], global [E, H]); y: fp32 or activation dtype [pairs, H].
+
+    FUSED_SUM (pairs mode): after writing y, each program counts itself in sem[token, slice]; the one that
+    completes the token's live pairs sums its k rows of y in order j = 0..k-1 into out and re-arms the
+    counter to 0 (so it is zero again for the next call). A token without live pairs gets zeros."""
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
+    NCOL: tl.constexpr = SLOTS * REP
+    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if FUSED_SUM:
+        p0 = tl.program_id(0)
+        t = p0 // TOP_K
+        n_live = 0
+        for j in tl.static_range(TOP_K):
+            n_live += (tl.load(ids_ptr + t * TOP_K + j) >= 0).to(tl.int32)
+        if e < 0:
+            if (n_live == 0) & (p0 % TOP_K == 0):
+                tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, tl.zeros([BLOCK_N], tl.float32).to(
+                    out_ptr.dtype.element_ty), mask=n < hidden)
+            return
     if e < 0:
         return
     e64 = e.to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nc = tl.minimum(n, hidden - 1).to(tl.int64)
-    u = tl.arange(0, BLOCK_K // 4)
-    gi = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    qp = q_ptr + e64 * stride_qe + nc[:, None] * stride_qn + u[None, :]
-    sp = s_ptr + e64 * stride_se + nc[:, None] * stride_sn + gi[None, :]
-    ar = act_ptr + pair.to(tl.int64)[:, None] * stride_at + kk[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    q_rows = q_ptr + e64 * stride_qe + nc * stride_qn
+    s_rows = s_ptr + e64 * stride_se + nc * stride_sn
+    b_ptr = act_ptr + pair.to(tl.int64) * stride_at
+    acc0 = tl.zeros([BLOCK_N, NCOL], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(ar + k0, mask=valid[:, None], other=0.0)
-            wq, ws = tl.load(qp + k0 // 4), tl.load(sp + k0 // 16)
-        else:
-            a = tl.load(ar + k0, mask=valid[:, None] & (k0 + kk < inter)[None, :], other=0.0)
-            wq = tl.load(qp + k0 // 4, mask=(k0 // 4 + u < inter // 4)[None, :], other=0)
-            ws = tl.load(sp + k0 // 16, mask=(k0 // 16 + gi < inter // 16)[None, :], other=0)
-        w0, w1, w2, w3 = fp4_decode4(wq, ws, DEC)
-        acc = _mma4(w0, w1, w2, w3, a, acc, DEC)
-    acc *= (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
-    acc *= tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[None, :]
-    tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=(n < hidden)[:, None] & valid[None, :])
+        q, s = _w_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
+                                         XMODE, DEC, BLOCK_K, EVEN_K)
+    acc = _finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
+    sl = tl.arange(0, SLOTS)
+    if SORTED:
+        pid = tl.program_id(0)
+        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
+        ok = pid * SLOTS + sl < end
+        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
+    else:
+        ok = sl == 0
+        pr = tl.program_id(0) + sl * 0
+    acc *= tl.load(topk_w_ptr + pr, mask=ok, other=0.0)[None, :]
+    tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=(n < hidden)[:, None] & ok[None, :])
+    if FUSED_SUM:
+        # every thread fences its y stores at GPU scope (classic "threadfence reduction"), the barrier orders
+        # them before the single counter update; the winner reads the other rows after its acquire, past L1
+        if ON_GPU:
+            _fence_gpu()
+        tl.debug_barrier()
+        sem = sem_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if done == n_live - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(TOP_K):
+                live = tl.load(ids_ptr + t * TOP_K + j) >= 0
+                total += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * stride_yt + n, mask=(n < hidden) & live,
+                                 other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(out_ptr.dtype.element_ty), mask=n < hidden)
+            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _fence_gpu():
+    """fence.acq_rel.gpu in every thread (inline PTX: GPU only)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit
 def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, topk_w_ptr, hidden, inter, stride_at,
                              stride_qe, stride_qn, stride_se, stride_sn, stride_ot, TOP_K: tl.constexpr,
-                             DEC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             DEC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
     """out[t, n] = sum_j topk_w[t, j] * (act[t*k + j] . w2[ids[t, j], n]), j in order (deterministic), for
-    BLOCK_N hidden features. One loop over (j, K slice) so the copies stay pipelined across experts; the
-    pair's activation row is column 0 of the MMA's token side (the other columns are zero)."""
+    BLOCK_N hidden features, quad mode. One loop over (j, K slice) so the copies stay pipelined across
+    experts; the expert's scales are folded into a running total at the end of its K range."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nc = tl.minimum(n, hidden - 1).to(tl.int64)
-    u = tl.arange(0, BLOCK_K // 4)
-    gi = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    row0 = (tl.arange(0, BLOCK_T) == 0)[:, None]
+    col0 = tl.arange(0, 16) < 4  # one token slot: columns 0..3
     n_iter = tl.cdiv(inter, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    total = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, 16], tl.float32)
+    total = tl.zeros([BLOCK_N, 16], tl.float32)
     for it in range(0, TOP_K * n_iter):
         j = it // n_iter
         k0 = (it - j * n_iter) * BLOCK_K
@@ -199,145 +311,33 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
         e = tl.load(ids_ptr + pair)
         live = e >= 0
         e64 = tl.maximum(e, 0).to(tl.int64)
-        qp = q_ptr + e64 * stride_qe + nc[:, None] * stride_qn + (k0 // 4 + u)[None, :]
-        sp = s_ptr + e64 * stride_se + nc[:, None] * stride_sn + (k0 // 16 + gi)[None, :]
-        ap = act_ptr + pair * stride_at + k0 + kk[None, :] + row0 * 0
-        if EVEN_K:
-            a = tl.load(ap, mask=row0 & live, other=0.0)
-            wq = tl.load(qp, mask=live, other=0)
-            ws = tl.load(sp, mask=live, other=0)
-        else:
-            a = tl.load(ap, mask=row0 & live & (k0 + kk < inter)[None, :], other=0.0)
-            wq = tl.load(qp, mask=live & (k0 // 4 + u < inter // 4)[None, :], other=0)
-            ws = tl.load(sp, mask=live & (k0 // 16 + gi < inter // 16)[None, :], other=0)
-        w0, w1, w2, w3 = fp4_decode4(wq, ws, DEC)
-        acc = _mma4(w0, w1, w2, w3, a, acc, DEC)
-        # end of this expert's K: fold its global scale and routing weight in, restart the accumulator
+        q, s = _w_tile(q_ptr + e64 * stride_qe + nc * stride_qn, s_ptr + e64 * stride_se + nc * stride_sn, k0,
+                       inter, BLOCK_K, EVEN_K)
+        b_ptr = act_ptr + pair * stride_at + tl.zeros([16], tl.int64)
+        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, col0 & live, k0, inter, acc0, acc1, acc2, acc3, 0, 0, DEC,
+                                         BLOCK_K, EVEN_K)
+        # end of this expert's K: fold its global scale and routing weight in, restart the accumulators
         last = k0 + BLOCK_K >= inter
         coef = tl.load(g_ptr + e64 * hidden + nc) * (tl.load(topk_w_ptr + pair) * _GSCALE)
         coef = tl.where(live & last, coef, 0.0)
-        total += acc * coef[:, None]
-        acc = tl.where(last, 0.0, acc)
-    out = tl.sum(total, axis=1)
-    tl.store(out_ptr + t * stride_ot + n, out.to(out_ptr.dtype.element_ty), mask=n < hidden)
-
-
-# --- split kernels: tiny batches ------------------------------------------------------------------------
-# With one token per block, a program's weight rows are its only parallelism (16 rows per warp, the MMA's
-# M), too few warps for the GPU at batch 1. These kernels also split K across the warps of a program: the
-# tiles are 3-D [SPLIT, rows, K / SPLIT] and the MMA is batched over SPLIT (one batch per warp group), and
-# the SPLIT partial sums are added once at the end (a cross-warp reduction in shared memory).
-
-
-@triton.jit
-def moe_w4_gate_up_split_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, top_k, hidden, inter, stride_xt,
-                                stride_qe, stride_qn, stride_se, stride_sn, stride_at, DEC: tl.constexpr,
-                                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
-    """Pairs mode gate_up: program (pair, slice) computes act[pair, n] for BLOCK_N features; the gate and
-    the up rows of the slice form one [2 * BLOCK_N] row tile; each K step covers SPLIT * BLOCK_K."""
-    BT: tl.constexpr = 16
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair)
-    if e < 0:
-        return
-    e64 = e.to(tl.int64)
-    r = tl.arange(0, 2 * BLOCK_N)
-    n_r = tl.minimum(tl.program_id(1) * BLOCK_N + r % BLOCK_N, inter - 1)
-    rows = (n_r + (r // BLOCK_N) * inter).to(tl.int64)
-    sp = tl.arange(0, SPLIT)
-    u = tl.arange(0, BLOCK_K // 4)
-    gi = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    m = tl.arange(0, BT)
-    u_abs = (sp * (BLOCK_K // 4))[:, None, None] + u[None, None, :]
-    g_abs = (sp * (BLOCK_K // 16))[:, None, None] + gi[None, None, :]
-    k_abs = (sp * BLOCK_K)[:, None, None] + kk[None, None, :]
-    qp = q_ptr + e64 * stride_qe + rows[None, :, None] * stride_qn + u_abs
-    spp = s_ptr + e64 * stride_se + rows[None, :, None] * stride_sn + g_abs
-    xp = x_ptr + (pair // top_k).to(tl.int64) * stride_xt + k_abs + m[None, :, None] * 0
-    row0 = (m == 0)[None, :, None]
-    acc0 = tl.zeros([SPLIT, 2 * BLOCK_N, BT], tl.float32)
-    acc1 = tl.zeros([SPLIT, 2 * BLOCK_N, BT], tl.float32)
-    acc2 = tl.zeros([SPLIT, 2 * BLOCK_N, BT], tl.float32)
-    acc3 = tl.zeros([SPLIT, 2 * BLOCK_N, BT], tl.float32)
-    for k0 in range(0, hidden, SPLIT * BLOCK_K):
-        if EVEN_K:
-            a = tl.load(xp + k0, mask=row0, other=0.0)
-            wq = tl.load(qp + k0 // 4)
-            ws = tl.load(spp + k0 // 16)
-        else:
-            a = tl.load(xp + k0, mask=row0 & (k0 + k_abs < hidden), other=0.0)
-            wq = tl.load(qp + k0 // 4, mask=k0 // 4 + u_abs < hidden // 4, other=0)
-            ws = tl.load(spp + k0 // 16, mask=k0 // 16 + g_abs < hidden // 16, other=0)
-        w0, w1, w2, w3 = fp4_decode4(wq, ws, DEC)
-        acc0, acc1, acc2, acc3 = _mma4x4(w0, w1, w2, w3, a, acc0, acc1, acc2, acc3, DEC)
-    acc = tl.sum(acc0 + acc1 + acc2 + acc3, axis=0)
-    h = tl.sum(tl.where((m == 0)[None, :], acc, 0.0), axis=1)  # the pair is token column 0
-    h = h * tl.load(g_ptr + e64 * 2 * inter + rows) * _GSCALE
-    hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N]), 1, 0))
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    act = hg * tl.sigmoid(hg) * hu
-    tl.store(act_ptr + pair.to(tl.int64) * stride_at + n, act.to(act_ptr.dtype.element_ty), mask=n < inter)
-
-
-@triton.jit
-def moe_w4_down_token_split_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, topk_w_ptr, hidden, inter,
-                                   stride_at, stride_qe, stride_qn, stride_se, stride_sn, stride_ot,
-                                   TOP_K: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
-                                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`moe_w4_down_token_kernel` with K split across warps: out[t, n] = sum_j topk_w[t, j] *
-    (act[t*k + j] . w2[ids[t, j], n]), j in order, each step covering SPLIT * BLOCK_K of one expert."""
-    BT: tl.constexpr = 16
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nc = tl.minimum(n, hidden - 1).to(tl.int64)
-    sp = tl.arange(0, SPLIT)
-    u = tl.arange(0, BLOCK_K // 4)
-    gi = tl.arange(0, BLOCK_K // 16)
-    kk = tl.arange(0, BLOCK_K)
-    m = tl.arange(0, BT)
-    u_abs = (sp * (BLOCK_K // 4))[:, None, None] + u[None, None, :]
-    g_abs = (sp * (BLOCK_K // 16))[:, None, None] + gi[None, None, :]
-    k_abs = (sp * BLOCK_K)[:, None, None] + kk[None, None, :]
-    qrow = q_ptr + nc[None, :, None] * stride_qn + u_abs
-    srow = s_ptr + nc[None, :, None] * stride_sn + g_abs
-    arow = act_ptr + k_abs + m[None, :, None] * 0
-    row0 = (m == 0)[None, :, None]
-    n_iter = tl.cdiv(inter, SPLIT * BLOCK_K)
-    acc0 = tl.zeros([SPLIT, BLOCK_N, BT], tl.float32)
-    acc1 = tl.zeros([SPLIT, BLOCK_N, BT], tl.float32)
-    acc2 = tl.zeros([SPLIT, BLOCK_N, BT], tl.float32)
-    acc3 = tl.zeros([SPLIT, BLOCK_N, BT], tl.float32)
-    total = tl.zeros([SPLIT, BLOCK_N, BT], tl.float32)
-    for it in range(0, TOP_K * n_iter):
-        j = it // n_iter
-        k0 = (it - j * n_iter) * (SPLIT * BLOCK_K)
-        pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair)
-        live = e >= 0
-        e64 = tl.maximum(e, 0).to(tl.int64)
-        qp = qrow + e64 * stride_qe + k0 // 4
-        spp = srow + e64 * stride_se + k0 // 16
-        ap = arow + pair * stride_at + k0
-        if EVEN_K:
-            a = tl.load(ap, mask=row0 & live, other=0.0)
-            wq = tl.load(qp, mask=live, other=0)
-            ws = tl.load(spp, mask=live, other=0)
-        else:
-            a = tl.load(ap, mask=row0 & live & (k0 + k_abs < inter), other=0.0)
-            wq = tl.load(qp, mask=live & (k0 // 4 + u_abs < inter // 4), other=0)
-            ws = tl.load(spp, mask=live & (k0 // 16 + g_abs < inter // 16), other=0)
-        w0, w1, w2, w3 = fp4_decode4(wq, ws, DEC)
-        acc0, acc1, acc2, acc3 = _mma4x4(w0, w1, w2, w3, a, acc0, acc1, acc2, acc3, DEC)
-        # end of this expert's K: fold its global scale and routing weight in, restart the accumulators
-        last = k0 + SPLIT * BLOCK_K >= inter
-        coef = tl.load(g_ptr + e64 * hidden + nc) * (tl.load(topk_w_ptr + pair) * _GSCALE)
-        coef = tl.where(live & last, coef, 0.0)
-        total += (acc0 + acc1 + acc2 + acc3) * coef[None, :, None]
+        c = (tl.arange(0, 16) % 4)[None, :]
+        sel = tl.where(c == 0, acc0, 0.0) + tl.where(c == 1, acc1, 0.0)
+        sel += tl.where(c == 2, acc2, 0.0) + tl.where(c == 3, acc3, 0.0)
+        total += sel * coef[:, None]
         acc0 = tl.where(last, 0.0, acc0)
         acc1 = tl.where(last, 0.0, acc1)
         acc2 = tl.where(last, 0.0, acc2)
         acc3 = tl.where(last, 0.0, acc3)
-    out = tl.sum(tl.sum(total, axis=0), axis=1)  # only token column 0 is non-zero
+    out = tl.sum(total, axis=1)  # only columns 0..3 (token slot 0) are non-zero
     tl.store(out_ptr + t * stride_ot + n, out.to(out_ptr.dtype.element_ty), mask=n < hidden)
+
+
+@triton.jit
+def permute4_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, BLOCK: tl.constexpr):
+    """out[m, t * K/4 + u] = x[m, 4u + t]: activations in the slice order of `fp4_decode4` (PERM mode)."""
+    m = tl.program_id(0).to(tl.int64)
+    u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.arange(0, 4)
+    mask = (u < n_k // 4)[:, None]
+    v = tl.load(x_ptr + m * stride_xt + 4 * u[:, None] + t[None, :], mask=mask)
+    tl.store(out_ptr + m * stride_ot + t[None, :] * (n_k // 4) + u[:, None], v, mask=mask)

@@ -126,7 +126,11 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
             Backend("torch", k + "gated_delta:gated_delta_rule_ref", always),
         ),
         "route": pair("moe_route:route", "moe:route_ref"),
-        "fused_moe": pair("fused_moe:fused_moe", "moe:fused_moe_ref"),
+        "fused_moe": (
+            Backend("triton", k + "fused_moe:fused_moe", triton_check),
+            Backend("triton-generic", k + "fused_moe:fused_moe_generic", triton_check),
+            Backend("torch", k + "moe:fused_moe_ref", always),
+        ),
         "nvfp4_linear": pair("nvfp4_linear:nvfp4_linear", "nvfp4_linear:nvfp4_linear_ref"),
     }
 

@@ -104,16 +104,10 @@ class RoutedExperts(nn.Module):
 
     def localize(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Under expert parallelism, global top-k (weights fp32 [T, k], ids int32 [T, k]) -> ids of this
-        rank's experts, with the slots routed to other ranks' experts given weight 0.
-
-        Those slots are sent to local expert 0 rather than marked -1, because the fused_moe contract does
-        not skip ids yet: their rows are computed and multiplied by 0 (wasted work, up to (tp-1)/tp of the
-        routed FLOPs) until fused_moe learns to skip id -1.
-        """
+        rank's experts, -1 for slots routed to other ranks' experts (fused_moe skips those)."""
         local = topk_ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local_experts)
-        ids = torch.where(mine, local, torch.zeros_like(local)).to(torch.int32)
-        return torch.where(mine, topk_weights, torch.zeros_like(topk_weights)), ids
+        return topk_weights, torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
 
     def _rows(self, proj: str) -> slice:
         i = self.intermediate_size

@@ -130,12 +130,19 @@ def main() -> int:
         attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
         attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
         attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
-        for experts in (MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)),
-                        MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))):
-            for cfg in configs("fused_moe"):
-                for path, t in (("gemv", 2), ("sorted", 40)):
-                    attempt(f"fused_moe {path} {cfg}", fm.fused_moe_launch, torch.randn(t, h, dtype=bf),
-                            torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32), experts, path=path, config=cfg)
+        w4 = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
+        dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
+        # every table entry on both paths, plus the activation modes the tables may select per device
+        modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
+                 {"xmode": "perm", "block_t": 64}]
+        for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
+            for cfg in configs(op):
+                for mode in modes if experts is w4 else [{}]:
+                    for dt in dtypes:
+                        for path, t in (("gemv", 2), ("sorted", 40)):
+                            attempt(f"{op} {path} {cfg} {mode} {dt}", fm.fused_moe_launch, torch.randn(t, h, dtype=dt),
+                                    torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32), experts, path=path,
+                                    config={**cfg, **mode})
         w = nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, path, extra in ((1, "gemv", {}), (100, "gemm", {}), (100, "gemm", {"split_k": 3})):

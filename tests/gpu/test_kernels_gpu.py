@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import attention  # noqa: E402
+from nibble.kernels import fused_moe as fm  # noqa: E402
 from nibble.kernels import paged_attention as pa  # noqa: E402
 from nibble.kernels.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
 from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
@@ -220,13 +221,72 @@ def test_fused_moe(name: str, fp4: bool) -> None:
     else:
         experts = MoEWeights(torch.randn(e, 2 * inter, h, device=DEV, dtype=BF16) * h ** -0.5,
                              torch.randn(e, h, inter, device=DEV, dtype=BF16) * inter ** -0.5)
+    paths = ("auto", "gemv", "sorted", "generic_gemv", "generic_sorted") if fp4 else ("auto", "gemv", "sorted")
     for t in (1, 3, 64, 2048):
         x = torch.randn(t, h, device=DEV, dtype=BF16)
         w, ids = route_ref(torch.randn(t, e, device=DEV), k)
         ref = fused_moe_ref(x.float(), w, ids, experts)
-        for path in ("auto", "gemv", "sorted") if t <= 64 else ("auto",):
+        for path in paths if t <= 64 else ("auto",):
             out = fused_moe_launch(x, w, ids, experts, path=path)
             assert rel(out, ref) < TOL, (t, path, rel(out, ref))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_fused_moe_nvfp4_dtypes_and_skipped_experts(dtype: torch.dtype) -> None:
+    """fp16 / fp32 activations (other decode variants), subnormal e4m3 block scales, odd token counts and
+    expert id -1 (expert-parallel slots of other ranks) on every path."""
+    c = config("122B")
+    h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    e = 64
+    w13, w2 = random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter)
+    for w_ in (w13, w2):
+        s = w_.block_scale.float()
+        s[..., ::5] *= 0.01
+        w_.block_scale.copy_(s.to(torch.float8_e4m3fn))
+    experts = MoEWeights(w13, w2)
+    for t in (1, 5, 300):
+        x = torch.randn(t, h, device=DEV, dtype=dtype)
+        w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+        ids[0, 0] = -1
+        if t > 1:
+            ids[t // 2, :] = -1
+        ref = fused_moe_ref(x.float(), w, ids, experts)
+        for path in ("gemv", "sorted", "auto"):
+            out = fused_moe_launch(x, w, ids, experts, path=path)
+            assert rel(out, ref) < (1e-3 if dtype == torch.float32 else TOL), (t, path, rel(out, ref))
+            if t > 1:
+                assert float(out[t // 2].float().abs().max()) == 0.0
+    for sem in fm._SEMAPHORES.values():
+        assert int(sem.abs().sum()) == 0  # the fused top-k sum re-arms its counters
+
+
+@pytest.mark.parametrize("t", [1, 4, 37, 600])
+def test_fused_moe_cuda_graph_replay(t: int) -> None:
+    """Captured once, replayed on new inputs (same shapes): the graph's fixed grid and buffers (incl. the
+    fused top-k sum's counters and the sorted path's alignment) give the right result every time."""
+    c = config("122B")
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    x = torch.randn(t, h, device=DEV, dtype=BF16)
+    w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+    fused_moe_launch(x, w, ids, experts)  # warm-up: compiles, allocates the counters
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe_launch(x, w, ids, experts)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_moe_launch(x, w, ids, experts)
+    for _ in range(3):
+        x.copy_(torch.randn(t, h, device=DEV, dtype=BF16))
+        w2, ids2 = route_ref(torch.randn(t, e, device=DEV), k)
+        ids2[0, -1] = -1
+        w.copy_(w2)
+        ids.copy_(ids2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel(out, fused_moe_ref(x.float(), w, ids, experts)) < TOL
 
 
 @pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernel_testing import poisoned, random_nvfp4, rel_err
 
+from nibble.kernels import fused_moe as fm
 from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.moe_align import moe_align, moe_align_ref
@@ -55,10 +56,11 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
 
 
 @pytest.mark.parametrize("path,cfg", [
-    ("gemv", {"dn_token": False}), ("gemv", {"gu_split": 0, "dn_split": 0}),
-    ("gemv", {"gu_split": 1, "dn_split": 2, "gu_block_k": 32, "dn_block_k": 16}),
-    ("generic_gemv", {"gemv_dn_pairs": False})])
-def test_fused_moe_gemv_down_variants(path: str, cfg: dict) -> None:
+    ("gemv", {"xmode": "quad", "dn_mode": "fused"}), ("gemv", {"xmode": "split", "dn_mode": "fused"}),
+    ("gemv", {"xmode": "quad", "dn_mode": "reduce"}), ("gemv", {"dn_mode": "token"}),
+    ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
+    ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False})])
+def test_fused_moe_variants(path: str, cfg: dict) -> None:
     experts = _experts(True)
     x = torch.randn(3, H)
     w, ids = route_ref(torch.randn(3, E), K)
@@ -68,12 +70,16 @@ def test_fused_moe_gemv_down_variants(path: str, cfg: dict) -> None:
 
 @pytest.mark.parametrize("path,cfg", [
     # K tails (H = 64 and I = 48 off BLOCK_K), blocks of 16 rows > an expert's pairs, odd BLOCK_N tails
-    ("sorted", {"chunk_pairs": 12, "block_t": 16, "gu_block_n": 32, "gu_block_k": 128, "dn_block_n": 16,
-                "dn_block_k": 64}),
-    ("gemv", {"gu_block_n": 32, "gu_block_k": 128, "dn_block_n": 16, "dn_block_k": 64, "gu_split": 0,
-              "dn_split": 0}),
-    ("gemv", {"gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16, "gu_split": 2,
-              "dn_split": 4}),
+    ("sorted", {"chunk_pairs": 12, "block_t": 16, "xmode": "split", "gu_block_n": 32, "gu_block_k": 128,
+                "dn_block_n": 16, "dn_block_k": 64}),
+    ("gemv", {"gu_block_n": 32, "gu_block_k": 128, "dn_block_n": 16, "dn_block_k": 64}),
+    ("gemv", {"gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16, "dn_mode": "token"}),
+    ("gemv", {"xmode": "quad", "gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16,
+              "dn_mode": "fused"}),
+    ("sorted", {"chunk_pairs": 12, "block_t": 4, "xmode": "quad", "gu_block_n": 16, "gu_block_k": 128,
+                "dn_block_n": 32, "dn_block_k": 32}),
+    ("sorted", {"chunk_pairs": 12, "block_t": 16, "xmode": "perm", "gu_block_n": 16, "gu_block_k": 128,
+                "dn_block_n": 32, "dn_block_k": 32}),
     ("generic_sorted", {"chunk_pairs": 12, "block_m": 4, "gu_block_n": 32, "gu_block_k": 32, "dn_block_n": 16,
                         "dn_block_k": 32}),
 ])
@@ -86,9 +92,12 @@ def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
     assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
 
 
-@pytest.mark.parametrize("fp4", [True, False])
-@pytest.mark.parametrize("path", ["gemv", "sorted", "generic_gemv", "generic_sorted"])
-def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str) -> None:
+@pytest.mark.parametrize("fp4,path,cfg", [
+    (True, "gemv", {"xmode": "quad", "dn_mode": "fused"}), (True, "gemv", {"xmode": "split", "dn_mode": "reduce"}),
+    (True, "gemv", {"dn_mode": "token"}), (True, "sorted", {"xmode": "quad", "block_t": 4}),
+    (True, "sorted", {"xmode": "perm", "block_t": 16}), (True, "sorted", {"xmode": "split", "block_t": 16}),
+    (True, "generic_gemv", {}), (True, "generic_sorted", {}), (False, "gemv", {}), (False, "sorted", {})])
+def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str, cfg: dict) -> None:
     """Slots with id -1 contribute nothing (their weights are ignored), tokens with every slot -1 give 0,
     and the result equals the reference with those slots dropped."""
     experts = _experts(fp4)
@@ -98,9 +107,11 @@ def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str) -> None:
     ids[0, 1] = -1
     ids[2, :] = -1
     ids[4, 0] = -1
-    out = poisoned(fused_moe_launch, [((t, H), x.dtype)], x, w, ids, experts, path=path)
+    out = poisoned(fused_moe_launch, [((t, H), x.dtype)], x, w, ids, experts, path=path, config=cfg)
     ref = fused_moe_ref(x, w, ids, experts)
     assert torch.equal(out[2], torch.zeros(H))
+    for sem in fm._SEMAPHORES.values():
+        assert int(sem.abs().sum()) == 0  # the fused top-k sum re-arms its counters
     assert rel_err(out, ref) < 1e-5
     w_kept = torch.where(ids >= 0, w, torch.zeros_like(w))
     ids_kept = torch.where(ids >= 0, ids, torch.zeros_like(ids))

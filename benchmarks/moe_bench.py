@@ -1,0 +1,354 @@
+"""Focused NVFP4 `fused_moe` benchmark on one CUDA GPU: real Qwen3.5 layer shapes, decode and prefill token
+counts, several tile configurations per size, each checked against `fused_moe_ref`, and a compact table last.
+
+    python benchmarks/moe_bench.py --out out/moe.json [--models 122B,35B] [--tokens 1,8,32,128,2048] [--sweep]
+
+Per (model, T, variant) it reports two times:
+- `cold`: median over CUDA-graph replays of the op alone, L2 flushed (256 MiB write) before each replay;
+  comparable to benchmarks/kernels.py (the graph launch itself is inside the measured interval).
+- `stream`: one graph of the op on LAYERS different expert stacks in a row, repeated (like consecutive
+  layers of a decode step: weights cold in L2, back-to-back launches, no per-op graph launch); time / op.
+Bandwidth counts the bytes that must be read (distinct experts hit x bytes per expert incl. scales, plus
+x and out); % is of the copy ceiling measured at start (read + write). Prefill also reports TFLOP/s
+(2 * T * k * 3 * I * H) and % of `--gemm-tflops`. `err` is ||out - ref|| / ||ref|| against the fp32
+reference on the same weights (bf16 activations: expect ~3e-3; > 2e-2 is flagged).
+Kernel compilation is done first, in parallel worker processes sharing Triton's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nibble.formats.nvfp4 import NVFP4Tensor
+from nibble.kernels.fused_moe import fused_moe_launch
+from nibble.kernels.moe import MoEWeights, fused_moe_ref
+from nibble.kernels.moe_route import route
+
+MODELS = {
+    "122B": {"hidden": 3072, "experts": 256, "top_k": 8, "inter": 1024},
+    "35B": {"hidden": 2048, "experts": 256, "top_k": 8, "inter": 512},
+    "397B": {"hidden": 4096, "experts": 512, "top_k": 10, "inter": 1024},
+}
+PREFILL_T = 512  # T above this counts as prefill (TFLOP/s reported)
+LAYERS = 4
+
+# Variants: (name, path, config overrides); "auto" = the tuning table's choice, "before:generic" = the
+# pre-moe_w4 kernels with their tuning (the baseline of this work).
+def _t(bn: int, bk: int, w: int, st: int, pre: str) -> dict:
+    return {f"{pre}_block_n": bn, f"{pre}_block_k": bk, f"{pre}_warps": w, f"{pre}_stages": st}
+
+
+# pairs mode, quad: gate_up variants with the reference down, then down variants with the reference gate_up
+GU_REF, DN_REF = {"xmode": "quad", **_t(16, 256, 2, 4, "gu")}, {"dn_mode": "fused", **_t(32, 256, 2, 4, "dn")}
+GU_PAIRS = [(f"gu:{bn}x{bk}w{w}s{st}", _t(bn, bk, w, st, "gu")) for bn, bk, w, st in
+            ((16, 256, 2, 4), (16, 512, 2, 3), (16, 128, 2, 6), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4))]
+DN_PAIRS = [(f"dn:{mode}/{bn}x{bk}w{w}s{st}", {"dn_mode": mode, **_t(bn, bk, w, st, "dn")}) for mode, bn, bk, w, st in
+            (("fused", 16, 256, 1, 4), ("fused", 64, 256, 4, 4), ("fused", 32, 512, 2, 3), ("fused", 32, 128, 2, 6),
+             ("reduce", 32, 256, 2, 4), ("token", 16, 256, 1, 4), ("token", 32, 256, 2, 4))]
+
+
+def _srt(xmode: str, bt: int, g: tuple, d: tuple) -> tuple[str, dict]:
+    name = f"srt:{xmode}{bt}/gu{g[0]}x{g[1]}w{g[2]}s{g[3]}/dn{d[0]}x{d[1]}w{d[2]}s{d[3]}"
+    return name, {"xmode": xmode, "block_t": bt, **_t(*g, "gu"), **_t(*d, "dn")}
+
+
+SORTED = [
+    _srt("quad", 4, (32, 256, 2, 4), (32, 256, 2, 4)),
+    _srt("quad", 4, (32, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("quad", 4, (64, 128, 4, 4), (64, 128, 4, 4)),
+    _srt("quad", 4, (16, 256, 2, 4), (32, 512, 2, 3)),
+    _srt("quad", 8, (32, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("split", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
+    _srt("perm", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
+]
+PREFILL = [
+    _srt("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
+    _srt("perm", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    _srt("perm", 64, (128, 128, 8, 3), (128, 128, 8, 3)),
+    _srt("perm", 64, (64, 128, 4, 4), (64, 128, 4, 4)),
+    _srt("split", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
+]
+
+
+def variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
+    """sweep: False, True or a comma-separated list of the models to sweep."""
+    out = [("auto", "auto", {})]
+    out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
+    if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
+        return out
+    if t <= 8:
+        out.append(("gemv:split/gu32x256w2s4/dn:reduce/64x256w4s3", "gemv",
+                     {"xmode": "split", **_t(32, 256, 2, 4, "gu"), "dn_mode": "reduce", **_t(64, 256, 4, 3, "dn")}))
+        out += [(name, "gemv", {"xmode": "quad", **cfg, **DN_REF}) for name, cfg in GU_PAIRS]
+        out += [(name, "gemv", {**GU_REF, **cfg}) for name, cfg in DN_PAIRS]
+    if 8 <= t <= 256:
+        out += [(name, "sorted", cfg) for name, cfg in SORTED]
+    if t > 256:
+        out += [(name, "sorted", cfg) for name, cfg in PREFILL]
+    return out
+
+
+def random_experts(model: str, dev: torch.device, gen: torch.Generator, empty: bool = False) -> MoEWeights:
+    m = MODELS[model]
+    e, h, inter = m["experts"], m["hidden"], m["inter"]
+
+    def w(n: int, k: int) -> NVFP4Tensor:
+        if empty:
+            return NVFP4Tensor(torch.empty(e, n, k // 2, dtype=torch.uint8, device=dev),
+                               torch.empty(e, n, k // 16, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                               torch.empty(e, n, device=dev))
+        packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+        scale = torch.rand(e, n, k // 16, device=dev, generator=gen) * 2 + 0.05
+        scale[..., ::7] *= 0.01  # some e4m3 subnormal block scales
+        return NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn),
+                           (torch.rand(e, n, device=dev, generator=gen) + 0.5) * (0.5 / k ** 0.5))
+
+    return MoEWeights(w(2 * inter, h), w(h, inter))
+
+
+def _compile_worker(job: tuple[str, int, str, dict]) -> tuple[str, float, str]:
+    model, t, path, cfg = job
+    t0 = time.perf_counter()
+    try:
+        dev = torch.device("cuda")
+        m = MODELS[model]
+        experts = random_experts(model, dev, torch.Generator(dev), empty=True)
+        x = torch.zeros(t, m["hidden"], device=dev, dtype=torch.bfloat16)
+        ids = torch.randint(0, m["experts"], (t, m["top_k"]), dtype=torch.int32, device=dev)
+        fused_moe_launch(x, torch.rand(t, m["top_k"], device=dev), ids, experts, path=path, config=cfg)
+        torch.cuda.synchronize()
+        return f"{model} T={t} {path} {cfg}", time.perf_counter() - t0, ""
+    except Exception as ex:  # reported, the main loop records the failure again
+        return f"{model} T={t} {path} {cfg}", time.perf_counter() - t0, f"{type(ex).__name__}: {str(ex)[:300]}"
+
+
+def precompile(jobs: list[tuple[str, int, str, dict]], workers: int) -> None:
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        for name, _secs, err in pool.imap_unordered(_compile_worker, jobs):
+            if err:
+                print(f"  compile FAILED {name}: {err}", flush=True)
+    print(f"precompiled {len(jobs)} launches in {time.perf_counter() - t0:.1f} s with {workers} workers",
+          flush=True)
+
+
+class Timer:
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def _graph(self, fn) -> torch.cuda.CUDAGraph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    def cold_us(self, fn) -> float:
+        g = self._graph(fn)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for i in range(self.reps):
+            self.flush.zero_()
+            starts[i].record()
+            g.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
+
+    def stream_us(self, fns: list, rounds: int = 5) -> float:
+        def all_layers() -> None:
+            for _ in range(rounds):
+                for f in fns:
+                    f()
+
+        g = self._graph(all_layers)
+        times = []
+        for _ in range(5):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / (rounds * len(fns)))
+        return statistics.median(times)
+
+
+def copy_tbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    torch.cuda.synchronize()
+    return 2 * n * 10 / (a.elapsed_time(b) * 1e-3) / 1e12
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    models = args.models.split(",")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    jobs, seen = [], set()
+    for model in models:
+        for t in tokens:
+            for _name, path, cfg in variants(model, t, args.sweep):
+                key = (model, path, json.dumps(cfg, sort_keys=True), t if path == "auto" else t > 8)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((model, t, path, cfg))
+    if args.workers > 0:
+        precompile(jobs, args.workers)
+    ceil = copy_tbps()
+    print(f"copy ceiling {ceil:.2f} TB/s (read+write); GEMM ceiling (given) {args.gemm_tflops:.0f} TFLOP/s",
+          flush=True)
+    timer = Timer(args.reps)
+    records: list[dict[str, Any]] = []
+    gen = torch.Generator(dev)
+    gen.manual_seed(0)
+    stacks = {model: [random_experts(model, dev, gen) for _ in range(LAYERS)] for model in models}
+    log = args.out.with_suffix(".jsonl").open("w") if args.out else None
+    t_start = time.perf_counter()
+    for t in tokens:
+        for model in models:
+            m = MODELS[model]
+            h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
+            layers = stacks[model]
+            per_expert = (layers[0].w13.nbytes() + layers[0].w2.nbytes()) / e
+            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+            w, ids = route(torch.randn(t, e, device=dev, generator=gen), k)
+            hit = int(torch.unique(ids).numel())
+            nbytes = hit * per_expert + 2 * t * h * 2
+            flops = 2 * t * k * 3 * inter * h
+            ref = fused_moe_ref(x.float(), w, ids, layers[0])
+            for name, path, cfg in variants(model, t, args.sweep):
+                if time.perf_counter() - t_start > args.budget_s:
+                    print(f"{model} T={t} {name}: skipped (budget)", flush=True)
+                    continue
+                rec: dict[str, Any] = {"model": model, "T": t, "variant": name, "path": path, "config": cfg,
+                                       "experts_hit": hit}
+                try:
+                    out = fused_moe_launch(x, w, ids, layers[0], path=path, config=cfg)
+                    torch.cuda.synchronize()
+                    rec["err"] = float((out.float() - ref).norm() / ref.norm())
+                    fns = [partial(fused_moe_launch, x, w, ids, lw, path=path, config=cfg) for lw in layers]
+                    rec["cold_us"] = timer.cold_us(fns[0])
+                    rec["stream_us"] = timer.stream_us(fns)
+                    best = min(rec["cold_us"], rec["stream_us"])
+                    rec["tbps"] = nbytes / (best * 1e-6) / 1e12
+                    rec["pct_copy"] = 100 * rec["tbps"] / ceil
+                    rec["tflops"] = flops / (best * 1e-6) / 1e12
+                    rec["pct_gemm"] = 100 * rec["tflops"] / args.gemm_tflops
+                    if args.profile and name == "auto":
+                        rec["kernels_us"] = kernel_times(fns[0])
+                except Exception as ex:
+                    rec["error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200] if str(ex) else ''}"
+                    traceback.print_exc()
+                    torch.cuda.synchronize()
+                records.append(rec)
+                print(line(rec), flush=True)
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+    return {"device": torch.cuda.get_device_name(), "copy_tbps": ceil, "gemm_tflops": args.gemm_tflops,
+            "records": records}
+
+
+def kernel_times(fn, reps: int = 10) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel `fn` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            out[ev.key[:60]] = ev.device_time_total / reps
+    return out
+
+
+def line(r: dict[str, Any]) -> str:
+    head = f"{r['model']:5} T={r['T']:<5} {r['variant']:38}"
+    if "error" in r:
+        return f"{head} ERROR {r['error']}"
+    flag = " BAD" if r["err"] > 2e-2 or r["err"] != r["err"] else ""
+    rate = (f"{r['tflops']:6.0f} TF/s {r['pct_gemm']:4.0f}%" if r["T"] > PREFILL_T
+            else f"{r['tbps']:5.2f} TB/s {r['pct_copy']:4.0f}%")
+    ks = "".join(f"\n      {v:9.1f} us  {n}" for n, v in r.get("kernels_us", {}).items())
+    return (f"{head} cold {r['cold_us']:9.1f} us  stream {r['stream_us']:9.1f} us  {rate}  err {r['err']:.1e}"
+            f"{flag}{ks}")
+
+
+def summary(res: dict[str, Any]) -> str:
+    lines = ["", f"== best per size ({res['device']}, copy {res['copy_tbps']:.2f} TB/s)"]
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in res["records"]:
+        by.setdefault((r["model"], r["T"]), []).append(r)
+    for (model, t), rs in by.items():
+        ok = [r for r in rs if "error" not in r and r["err"] < 2e-2]
+        auto = next((r for r in ok if r["variant"] == "auto"), None)
+        before = next((r for r in ok if r["variant"] == "before:generic"), None)
+        best = min(ok, key=lambda r: r["stream_us"], default=None)
+        if best is None:
+            lines.append(f"{model} T={t}: no valid variant")
+            continue
+        lines.append(f"{line({**best, 'kernels_us': {}})}  <- best"
+                     + (f" | auto {auto['stream_us']:.1f} us" if auto else "")
+                     + (f" | before {before['stream_us']:.1f} us" if before else ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="122B,35B")
+    ap.add_argument("--tokens", default="1,4,8,32,128,256,1024,2048")
+    ap.add_argument("--sweep", nargs="?", const=True, default=False,
+                    help="time the tile-configuration variants too (optionally only for these models, e.g. 122B,35B)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    ap.add_argument("--gemm-tflops", type=float, default=801.0, help="bf16 GEMM ceiling (measured 801 on H200)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants after this many seconds")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of the auto variant")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/moe_bench.py needs a CUDA GPU")
+    res = run(args)
+    text = summary(res)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
