@@ -4,8 +4,11 @@
 #   bash benchmarks/gpu_session.sh env gputests kernels latency35 ...
 # Stages are listed in stage_* functions below. Needs: .whl/ carried (fla-core, fastapi stack).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+# Stages write under a work folder; after every stage it is packed into $OUT/results.tgz (the device tool
+# brings back at most 8 files) and the summary is copied next to it, so a run cut short still returns data.
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/nibble_work
+mkdir -p "$OUT" "$FINAL"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -25,7 +28,9 @@ run() {  # run NAME LIMIT_S CMD...
   local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s" | tee -a "$SUMMARY"
   tail -n 25 "$OUT/$name.log" >> "$SUMMARY"
+  pack
 }
+pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; cp "$SUMMARY" "$FINAL/summary.txt"; }
 
 stage_versions() {
   run versions 30 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"
@@ -72,7 +77,8 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
     --prompts-per-concurrency "$ppc" --num-warmups 0 --disable-tqdm --save-result --result-dir "$OUT" \
     --result-filename "bench_$name.json" --plot "$OUT/bench_$name.png"
   kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
-  grep -E "kernels:|engine ready|captured" "$OUT/serve_$name.log" >> "$SUMMARY"
+  grep -E "kernels:|self-test|engine ready|captured" "$OUT/serve_$name.log" >> "$SUMMARY"
+  pack
 }
 stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 200 260 --max-num-seqs 128; }
 stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 150 160 --max-num-seqs 128; }
@@ -82,4 +88,5 @@ stage_peer35() {
 }
 
 for s in "$@"; do "stage_$s"; done
+pack
 echo "=== summary"; cat "$SUMMARY"
