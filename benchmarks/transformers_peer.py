@@ -16,7 +16,7 @@ import time
 import torch
 
 
-def _build(config_path: str):  # noqa: ANN202 - transformers types are optional here
+def _build(config_path: str):
     import transformers
 
     raw = json.load(open(f"{config_path}/config.json"))
@@ -36,7 +36,7 @@ def _build(config_path: str):  # noqa: ANN202 - transformers types are optional 
 
 
 @torch.inference_mode()
-def _generate(model, vocab: int, batch: int, input_len: int, output_len: int) -> float:  # noqa: ANN001
+def _generate(model, vocab: int, batch: int, input_len: int, output_len: int) -> float:
     ids = torch.randint(0, vocab, (batch, input_len), device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
