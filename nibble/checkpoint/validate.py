@@ -338,7 +338,9 @@ def _check_tensors(config: ModelConfig, shards: _Shards, report: CheckpointRepor
             scalars += 1
             if tensor is None:
                 continue
-            _check_scalar(norm, tensor, file, name, report)
+            if not _check_scalar(norm, tensor, file, name, report):
+                rejected.add(norm)
+                continue
         if norm in loaded:
             report.add(WARNING, "duplicate_tensor", f"{file}: '{name}' maps to '{norm}', which another tensor "
                        "already provided (the last one read wins)", file=file, tensor=name)
@@ -383,15 +385,20 @@ def _report_missing(config: ModelConfig, model: Any, loaded: set[str], rejected:
         report.add(ERROR, "missing_tensor", f"the model needs '{stored}', which the checkpoint lacks", tensor=stored)
 
 
-def _check_scalar(norm: str, tensor: torch.Tensor, file: str, name: str, report: CheckpointReport) -> None:
-    """weight_scale_2 and k/v scales must be finite and > 0; input_scale too, but nibble does not use it."""
+def _check_scalar(norm: str, tensor: torch.Tensor, file: str, name: str, report: CheckpointReport) -> bool:
+    """weight_scale_2 must be finite and >= 0 (0 for an all-zero weight), k/v scales finite and > 0;
+    input_scale too, but nibble does not use it. Returns False after reporting an error."""
     values = tensor.float().reshape(-1)
-    if values.numel() == 0 or bool(torch.isfinite(values).all() and (values > 0).all()):
-        return
-    severity = WARNING if _kind(norm) == "input_scale" else ERROR
+    kind = _kind(norm)
+    low_ok = (values >= 0) if kind == "weight_scale_2" else (values > 0)
+    if values.numel() == 0 or bool(torch.isfinite(values).all() and low_ok.all()):
+        return True
+    severity = WARNING if kind == "input_scale" else ERROR
     why = " (unused by nibble's W4A16 kernels)" if severity == WARNING else ""
-    report.add(severity, "bad_scale", f"{file}: '{name}' is {values.tolist()[:4]}; a scale must be finite and > 0"
-               + why, file=file, tensor=name)
+    bound = ">= 0" if kind == "weight_scale_2" else "> 0"
+    report.add(severity, "bad_scale", f"{file}: '{name}' is {values.tolist()[:4]}; a scale must be finite and "
+               f"{bound}" + why, file=file, tensor=name)
+    return severity != ERROR
 
 
 def _sampled_out(name: str) -> bool:

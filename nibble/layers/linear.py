@@ -48,6 +48,15 @@ def check_tensor(name: str, tensor: TensorSource, shape: Sequence[int], dtypes: 
         raise WeightLoadError(f"tensor '{name}': expected dtype {want}, found {found}")
 
 
+def global_scale_value(name: str, tensor: torch.Tensor) -> float:
+    """The NVFP4 weight_scale_2 scalar; NaN, inf or negative values are refused at load time, where the
+    file can be named, rather than poisoning every token routed through the layer."""
+    value = float(tensor.float().reshape(()))
+    if not (value >= 0.0 and value != float("inf")):
+        raise WeightLoadError(f"tensor '{name}': weight_scale_2 is {value}; it must be finite and >= 0")
+    return value
+
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -126,7 +135,7 @@ class Linear(nn.Module):
                 raise WeightLoadError(f"tensor '{name}': NVFP4 scale for a layer that is not quantized")
             if numel(tensor) != 1:
                 raise WeightLoadError(f"tensor '{name}': expected a scalar, found shape {tuple(tensor.shape)}")
-            self.global_scale.data[rows].fill_(float(read_full(tensor).float().reshape(())))
+            self.global_scale.data[rows].fill_(global_scale_value(name, read_full(tensor)))
         else:
             raise WeightLoadError(f"tensor '{name}': unknown linear tensor kind '{kind}'")
 

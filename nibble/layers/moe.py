@@ -25,6 +25,7 @@ from nibble.layers.linear import (
     RowParallelLinear,
     WeightLoadError,
     check_tensor,
+    global_scale_value,
 )
 from nibble.layers.parallel import (
     SINGLE,
@@ -155,7 +156,7 @@ class RoutedExperts(nn.Module):
             return
         local = expert - self.first_expert
         if parts is None:
-            target.data[local, self._rows(proj)].fill_(float(read_full(tensor).float().reshape(())))
+            target.data[local, self._rows(proj)].fill_(global_scale_value(name, read_full(tensor)))
         else:
             target.data[local, self._rows(proj)].copy_(read_partition(tensor, parts))
         self.loaded.add((expert, proj, kind))
