@@ -33,10 +33,6 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.requests
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,9 @@ from nibble.engine.config import EngineConfig
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
+from tests.helpers.server import ServerHandle, start_server, wait_idle
+
+__all__ = ["ServerHandle", "served", "wait_idle"]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -66,55 +65,16 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     assert not engine.requests
 
 
-@dataclass
-class ServerHandle:
-    """A running server: base URL, the engine behind it, the uvicorn server and its thread."""
-
-    url: str
-    engine: AsyncEngine
-    server: Any
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @contextmanager
 def served(engine: LLMEngine) -> Iterator[ServerHandle]:
     """The real app (`build_app`) over an AsyncEngine driving `engine`, on a free port of 127.0.0.1."""
-    import uvicorn
-
-    from nibble.server.api_server import build_app
-
     async_engine = AsyncEngine(engine)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine), log_level="warning", access_log=False,
-                                           log_config=None))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "test server did not start"
-        time.sleep(0.02)
-    handle = ServerHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine, server, thread)
+    handle = start_server(async_engine)
     try:
         yield handle
     finally:
         handle.stop()
         async_engine.shutdown()
-
-
-def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
-    """Poll until the engine holds no request and every KV block and state slot is free."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and engine.engine.blocks.all_free():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def sse_events(response: httpx.Response) -> list[Any]:

@@ -94,8 +94,6 @@ def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
     argv = [sys.executable, "-m", "nibble.cli", "serve", "--model", model_kwargs["model"], "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "4",
             "--served-model-name", "tiny", "--api-key", "sk-test"]
-    if "load_format" in model_kwargs:
-        argv += ["--load-format", model_kwargs["load_format"]]
     env = {**os.environ, "NIBBLE_API_KEY": ""}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
