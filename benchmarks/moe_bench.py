@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nibble.bench.latency import measure_copy_bandwidth
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref
@@ -194,22 +195,6 @@ class Timer:
         return statistics.median(times)
 
 
-def copy_tbps() -> float:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (a.elapsed_time(b) * 1e-3) / 1e12
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device("cuda")
     models = args.models.split(",")
@@ -224,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     jobs.append((model, t, path, cfg))
     if args.workers > 0:
         precompile(jobs, args.workers)
-    ceil = copy_tbps()
+    ceil = measure_copy_bandwidth(dev, 1 << 30) / 1e12
     print(f"copy ceiling {ceil:.2f} TB/s (read+write); GEMM ceiling (given) {args.gemm_tflops:.0f} TFLOP/s",
           flush=True)
     timer = Timer(args.reps)
