@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +47,6 @@ class _TextState:
     sent_tokens: int = 0
     sent_text: int = 0
     prompt: str | None = None
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
