@@ -39,6 +39,17 @@ stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 260 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
+stage_moe() {
+  run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \
+    --budget-s 350 --out "$OUT/moe.json"
+}
+stage_moe397() { run moe397 200 python3 benchmarks/moe_bench.py --models 397B --tokens 1,4,16,64,256,2048 --out "$OUT/moe397.json"; }
+stage_ncu() {
+  run ncu 100 ncu --clock-control none --kernel-name regex:moe_ --launch-skip 0 --launch-count 10 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    python3 benchmarks/moe_ncu.py --model 122B --tokens 1 --configs "[{}]"
+}
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_full() { run kernels_full 480 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_doctor() { run doctor 240 python3 -m nibble.cli doctor --model $M/Qwen3.5-122B-A10B-NVFP4 --json; }

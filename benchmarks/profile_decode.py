@@ -1,6 +1,7 @@
 """Where does a decode step's time go? For a dummy-weight model on the GPU: pure CUDA-graph replay time per
-batch size, the engine's whole step (scheduling, input copies, sampling, detokenization), and a torch
-profiler table of the CUDA kernels of one eager decode step and one prefill chunk.
+batch size, the engine's whole step (scheduling, input copies, sampling, detokenization), and torch
+profiler tables of the CUDA kernels of one decode graph replay (with the number of kernels per step) and of
+one eager prefill chunk.
 
     python benchmarks/profile_decode.py --model benchmarks/models/Qwen3.5-35B-A3B-NVFP4 --out $OUT/profile
 """
@@ -37,17 +38,21 @@ def _graph_ms(engine: LLMEngine, bs: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _kernel_table(fn, path: Path, rows: int = 40) -> list[dict]:
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+def _kernel_table(fn, path: Path, rows: int = 40, cpu: bool = True) -> tuple[list[dict], int]:
+    """Top kernels of one call of fn by device time, and the number of kernel launches it made. cpu=False
+    records CUDA activity only (a graph replay: its kernels, no host ops)."""
+    acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cpu else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
     events.sort(key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)
     total = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    launches = sum(e.count for e in events if e.device_type.name == "CUDA")
     out = [{"name": e.key[:90], "count": e.count, "us": getattr(e, "self_device_time_total", 0),
             "pct": 100 * getattr(e, "self_device_time_total", 0) / max(total, 1)} for e in events[:rows]]
-    path.write_text(json.dumps({"total_us": total, "kernels": out}, indent=1))
-    return out
+    path.write_text(json.dumps({"total_us": total, "launches": launches, "kernels": out}, indent=1))
+    return out, launches
 
 
 def main() -> None:
@@ -78,21 +83,15 @@ def main() -> None:
             torch.cuda.synchronize()
             step_ms.append((time.perf_counter() - t0) * 1e3)
         graph_ms = _graph_ms(engine, bs)
-        reqs = list(engine.requests.values())
-        batch = ForwardBatch.build([[r.output_token_ids[-1]] for r in reqs],
-                                   [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs],
-                                   [r.state_slot for r in reqs], engine.config.block_size, engine.device)
-
-        def eager(batch: ForwardBatch = batch) -> None:
-            with torch.inference_mode():
-                h = engine.model(batch, engine.runner.caches)
-                engine.model.compute_logits(h)
-
-        eager()
-        table = _kernel_table(eager, out / f"decode_bs{bs}.json")
+        graphs = engine.runner.graphs
+        assert graphs is not None
+        replay = graphs.graphs[graphs.padded_size(bs)].replay
+        table, launches = _kernel_table(replay, out / f"decode_bs{bs}.json", cpu=False)
+        collectives = sum(r["count"] for r in table if "nccl" in r["name"].lower())
         summary[bs] = {"engine_step_ms": statistics.median(step_ms), "graph_replay_ms": graph_ms,
-                       "top_kernels": table[:12]}
-        print(f"bs={bs}: engine step {statistics.median(step_ms):.2f} ms, graph replay {graph_ms:.2f} ms")
+                       "kernels_per_step": launches, "collective_kernels": collectives, "top_kernels": table[:12]}
+        print(f"bs={bs}: engine step {statistics.median(step_ms):.2f} ms, graph replay {graph_ms:.2f} ms, "
+              f"{launches} kernels per step ({collectives} collectives)")
         for row in table[:15]:
             print(f"   {row['pct']:5.1f}% {row['us']:9.0f}us x{row['count']:<4} {row['name']}")
         for rid in list(engine.requests):
@@ -114,7 +113,7 @@ def main() -> None:
     prefill()
     torch.cuda.synchronize()
     pre_ms = (time.perf_counter() - t0) * 1e3
-    table = _kernel_table(prefill, out / "prefill.json")
+    table, _ = _kernel_table(prefill, out / "prefill.json")
     print(f"prefill {args.context_len} tokens: {pre_ms:.1f} ms")
     for row in table[:15]:
         print(f"   {row['pct']:5.1f}% {row['us']:9.0f}us x{row['count']:<4} {row['name']}")
