@@ -70,6 +70,7 @@ def _error(cls: type, **fields: Any) -> tuple[str, str | None]:
         ({"prompt": [1, -5]}, "prompt", "non-negative"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+        ({"stop_token_ids": list(range(5000))}, "stop_token_ids", "at most 1024"),
     ],
 )
 def test_completion_request_errors(fields: dict[str, Any], param: str, fragment: str) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nibble.checkpoint.dummy import init_dummy_weights
-from nibble.checkpoint.safetensors_io import CheckpointIOError, list_shards, open_shard
+from nibble.checkpoint.safetensors_io import CheckpointError, list_shards, open_shard
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.linear import WeightLoadError
 from nibble.layers.parallel import ParallelContext
@@ -41,10 +41,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor."""
-
-
 class ShardTensor:
     """One tensor of a memory-mapped safetensors shard, not read yet (nibble.layers.parallel.LazyTensor).
 
@@ -60,20 +56,20 @@ class ShardTensor:
         self.shape = tuple(int(d) for d in self._slice.get_shape())
         code = self._slice.get_dtype()
         if code not in _SAFETENSORS_DTYPES:
-            raise CheckpointIOError(f"{path}: tensor '{name}' has dtype {code}, which nibble does not read")
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {code}, which nibble does not read")
         self.dtype = _SAFETENSORS_DTYPES[code]
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
         try:
             return self._slice[index]
         except Exception as e:
-            raise CheckpointIOError(f"{self.path}: cannot read tensor '{self.name}'{list(index)}: {e}") from e
+            raise CheckpointError(f"{self.path}: cannot read tensor '{self.name}'{list(index)}: {e}") from e
 
     def load(self) -> torch.Tensor:
         try:
             return self._handle.get_tensor(self.name)
         except Exception as e:
-            raise CheckpointIOError(f"{self.path}: cannot read tensor '{self.name}': {e}") from e
+            raise CheckpointError(f"{self.path}: cannot read tensor '{self.name}': {e}") from e
 
 
 def iter_model_tensors(model_dir: str | Path, config: ModelConfig) -> Iterator[tuple[str, ShardTensor, str]]:

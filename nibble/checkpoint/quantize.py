@@ -29,7 +29,7 @@ from tqdm import tqdm
 from nibble.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,
-    CheckpointIOError,
+    CheckpointError,
     CheckpointReader,
     ShardWriter,
     parse_size,
@@ -318,7 +318,7 @@ def quantize_checkpoint(src_dir: str | Path, dst_dir: str | Path, exclude: list[
     max_bytes = parse_size(max_shard_size)
     try:
         reader = CheckpointReader(src)
-    except CheckpointIOError as e:
+    except CheckpointError as e:
         raise QuantizeError(str(e)) from e
     already = next((n for n in reader.names if n.endswith((".weight_scale", ".weight_scale_2"))
                     or reader.dtype(n) in (torch.uint8, torch.float8_e4m3fn)), None)

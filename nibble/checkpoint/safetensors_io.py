@@ -31,8 +31,8 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-class CheckpointIOError(ValueError):
-    """A checkpoint file that cannot be read or written; the message names the file and the tensor."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, written or loaded; the message names the file and the tensor."""
 
 
 def parse_size(size: int | str) -> int:
@@ -58,22 +58,22 @@ def read_weight_map(model_dir: str | Path) -> dict[str, str] | None:
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointIOError(f"{path}: invalid JSON: {e}") from e
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from e
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointIOError(f"{path}: expected an object with a 'weight_map' of tensor name -> file name")
+        raise CheckpointError(f"{path}: expected an object with a 'weight_map' of tensor name -> file name")
     return weight_map
 
 
 def open_shard(path: str | Path) -> Any:
-    """Memory-map one shard (`safe_open` handle); a corrupt or truncated file raises CheckpointIOError."""
+    """Memory-map one shard (`safe_open` handle); a corrupt or truncated file raises CheckpointError."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointIOError(f"{path}: shard file not found")
+        raise CheckpointError(f"{path}: shard file not found")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:
-        raise CheckpointIOError(f"{path}: not a readable safetensors file (corrupt or truncated?): {e}") from e
+        raise CheckpointError(f"{path}: not a readable safetensors file (corrupt or truncated?): {e}") from e
 
 
 def list_shards(model_dir: str | Path) -> list[Path]:
@@ -82,7 +82,7 @@ def list_shards(model_dir: str | Path) -> list[Path]:
     `*.safetensors` file) is used."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise CheckpointIOError(f"{model_dir}: not a directory")
+        raise CheckpointError(f"{model_dir}: not a directory")
     weight_map = read_weight_map(model_dir)
     if weight_map is None:
         single = model_dir / SINGLE_FILE
@@ -90,7 +90,7 @@ def list_shards(model_dir: str | Path) -> list[Path]:
             return [single]
         shards = sorted(model_dir.glob("*.safetensors"))
         if not shards:
-            raise CheckpointIOError(f"{model_dir}: no {INDEX_FILE}, {SINGLE_FILE} or other *.safetensors file")
+            raise CheckpointError(f"{model_dir}: no {INDEX_FILE}, {SINGLE_FILE} or other *.safetensors file")
         return shards
     expected: dict[str, set[str]] = {}
     for name, file in weight_map.items():
@@ -99,12 +99,12 @@ def list_shards(model_dir: str | Path) -> list[Path]:
     for file in sorted(expected):
         path = model_dir / file
         if not path.is_file():
-            raise CheckpointIOError(f"{model_dir / INDEX_FILE}: names shard '{file}', which does not exist "
+            raise CheckpointError(f"{model_dir / INDEX_FILE}: names shard '{file}', which does not exist "
                                     f"(for {len(expected[file])} tensors, e.g. '{min(expected[file])}')")
         present = set(open_shard(path).keys())
         missing = sorted(expected[file] - present)
         if missing:
-            raise CheckpointIOError(f"{path}: tensor '{missing[0]}' is named in {INDEX_FILE} but absent from "
+            raise CheckpointError(f"{path}: tensor '{missing[0]}' is named in {INDEX_FILE} but absent from "
                                     f"this shard ({len(missing)} missing in all)")
         shards.append(path)
     return shards
@@ -119,7 +119,7 @@ def iter_tensors(shards: Iterable[str | Path]) -> Iterator[tuple[str, torch.Tens
             try:
                 tensor = handle.get_tensor(name)
             except Exception as e:
-                raise CheckpointIOError(f"{path}: cannot read tensor '{name}': {e}") from e
+                raise CheckpointError(f"{path}: cannot read tensor '{name}': {e}") from e
             yield name, tensor, path
 
 
@@ -139,7 +139,7 @@ class CheckpointReader:
         for path in self.shards:
             for name in self._handle(path).keys():
                 if name in self._shard_of:
-                    raise CheckpointIOError(f"{path}: tensor '{name}' is also stored in "
+                    raise CheckpointError(f"{path}: tensor '{name}' is also stored in "
                                             f"{self._shard_of[name].name}")
                 self._shard_of[name] = path
                 self.names.append(name)
@@ -154,7 +154,7 @@ class CheckpointReader:
 
     def shard_of(self, name: str) -> Path:
         if name not in self._shard_of:
-            raise CheckpointIOError(f"{self.model_dir}: no tensor '{name}' in the checkpoint")
+            raise CheckpointError(f"{self.model_dir}: no tensor '{name}' in the checkpoint")
         return self._shard_of[name]
 
     def _slice(self, name: str) -> Any:
@@ -173,18 +173,18 @@ class CheckpointReader:
         try:
             return self._handle(path).get_tensor(name)
         except Exception as e:
-            raise CheckpointIOError(f"{path}: cannot read tensor '{name}': {e}") from e
+            raise CheckpointError(f"{path}: cannot read tensor '{name}': {e}") from e
 
     def get_slice(self, name: str, index: int) -> torch.Tensor:
         """Entry `index` of the leading dim of tensor `name`, read without loading the rest."""
         shape = self.shape(name)
         if not shape or not 0 <= index < shape[0]:
-            raise CheckpointIOError(f"{self.shard_of(name)}: tensor '{name}' of shape {shape} has no "
+            raise CheckpointError(f"{self.shard_of(name)}: tensor '{name}' of shape {shape} has no "
                                     f"entry {index} along its first dim")
         try:
             return self._slice(name)[index:index + 1].reshape(shape[1:])
         except Exception as e:
-            raise CheckpointIOError(f"{self.shard_of(name)}: cannot read '{name}'[{index}]: {e}") from e
+            raise CheckpointError(f"{self.shard_of(name)}: cannot read '{name}'[{index}]: {e}") from e
 
 
 def _shard_name(index: int, count: int) -> str:
@@ -213,9 +213,9 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue one tensor; flushes the current shard first when the tensor would overflow it."""
         if self._closed:
-            raise CheckpointIOError(f"{self.dst_dir}: writer is closed, cannot add '{name}'")
+            raise CheckpointError(f"{self.dst_dir}: writer is closed, cannot add '{name}'")
         if name in self._names:
-            raise CheckpointIOError(f"{self.dst_dir}: tensor '{name}' written twice")
+            raise CheckpointError(f"{self.dst_dir}: tensor '{name}' written twice")
         t = tensor.detach().cpu()
         # Views (slices of a fused tensor) would drag their whole storage into the file, and safetensors
         # refuses tensors that share storage.
@@ -236,7 +236,7 @@ class ShardWriter:
         try:
             save_file(self._pending, str(path), metadata={"format": "pt"})
         except Exception as e:
-            raise CheckpointIOError(f"{path}: cannot write shard: {e}") from e
+            raise CheckpointError(f"{path}: cannot write shard: {e}") from e
         self._written.append((path, list(self._pending)))
         self._pending = {}
         self._pending_size = 0
@@ -244,7 +244,7 @@ class ShardWriter:
     def close(self) -> dict[str, str]:
         """Write the last shard, give every shard its final name, write the index; returns the weight map."""
         if self._closed:
-            raise CheckpointIOError(f"{self.dst_dir}: writer already closed")
+            raise CheckpointError(f"{self.dst_dir}: writer already closed")
         self._flush()
         self._closed = True
         count = len(self._written)

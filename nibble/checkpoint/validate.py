@@ -24,7 +24,7 @@ import torch
 
 from nibble.checkpoint.loader import SKIPPED_PREFIXES
 from nibble.checkpoint.safetensors_io import _DTYPES as SAFETENSORS_DTYPES
-from nibble.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointIOError, open_shard, read_weight_map
+from nibble.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointError, open_shard, read_weight_map
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.linear import WeightLoadError
 from nibble.models.config import ModelConfig
@@ -223,7 +223,7 @@ class _Shards:
     def open(cls, model_dir: Path, report: CheckpointReport) -> _Shards | None:
         try:
             weight_map = read_weight_map(model_dir)
-        except CheckpointIOError as e:
+        except CheckpointError as e:
             report.add(ERROR, "bad_index", str(e), file=INDEX_FILE)
             weight_map = None
         if weight_map is not None:
@@ -253,7 +253,7 @@ class _Shards:
             try:
                 handles[path] = handle = open_shard(path)
                 names = list(handle.keys())
-            except CheckpointIOError as e:
+            except CheckpointError as e:
                 handles.pop(path, None)
                 report.add(ERROR, "unreadable_shard", str(e), file=file)
                 unavailable = None if weight_map is None or unavailable is None else unavailable | set(named)

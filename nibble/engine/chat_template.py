@@ -133,8 +133,13 @@ class ChatTemplate:
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.exceptions.TemplateError as exc:
-            # raise_exception() messages are written for users ("No user query found in messages.").
-            raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
+            # raise_exception() messages are written for users ("No user query found in messages."); a role
+            # complaint gets the roles that were sent, since templates do not say which one they rejected.
+            message = str(exc) or type(exc).__name__
+            if "role" in message.lower():
+                roles = ", ".join(f"messages[{i}]: '{m.get('role')}'" for i, m in enumerate(messages))
+                message = f"{message} (roles sent: {roles})"
+            raise ChatTemplateError(message) from exc
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Each stop token id is checked against every sampled token of the request: bound the list a client sends.
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling setting; the message names the field."""
@@ -66,6 +69,8 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+              f"at most {MAX_STOP_TOKEN_IDS} are allowed, got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

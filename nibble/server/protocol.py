@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from nibble.engine.sampling_params import MAX_STOP_TOKEN_IDS
+
 
 def random_id(prefix: str) -> str:
     """A response id such as 'chatcmpl-<32 hex>' or 'cmpl-<32 hex>'."""
@@ -91,6 +93,8 @@ class _SamplingRequest(_Request):
     def _valid_stop_ids(cls, v: list[int] | None) -> list[int] | None:
         if v and any(i < 0 for i in v):
             raise ValueError("token ids must be non-negative")
+        if v and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(v)}")
         return v
 
     @field_validator("logit_bias")
