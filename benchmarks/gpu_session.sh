@@ -59,7 +59,7 @@ stage_latency35() {
 }
 stage_latency122() {
   run latency122 540 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
-    --batch-sizes 1,8,32 --input-len 1024 --output-len 64 --max-num-seqs 32 --output-json "$OUT/latency122.json"
+    --batch-sizes 1,8,32,128 --input-len 1024 --output-len 64 --max-num-seqs 128 --output-json "$OUT/latency122.json"
 }
 
 stage_profile35() {

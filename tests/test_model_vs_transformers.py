@@ -7,6 +7,7 @@ and of 32 batched decode steps (max relative error < 1e-4 in fp32), and greedy g
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,25 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _fused_elementwise_kernels() -> KernelSet:
+    """The reference set with the Triton kernels (interpreter) of the ops that read strided views of the
+    fused projections: the GDN gating, the router, the shared expert's activation and combination, the
+    attention q/k norm and output gate."""
+    from nibble.kernels import activation, gdn_gating, moe_route, norm
+
+    return replace(KernelSet.reference(), gdn_gating=gdn_gating.gdn_gating, route=moe_route.route,
+                   silu_and_mul=activation.silu_and_mul, moe_combine=activation.moe_combine,
+                   sigmoid_mul=activation.sigmoid_mul, qk_rms_norm=norm.qk_rms_norm)
+
+
 @torch.inference_mode()
-def test_logits_prefill_and_decode_match_transformers(checkpoint: tuple[Path, object]) -> None:
+@pytest.mark.parametrize("kernels", ["reference", "triton-elementwise"])
+def test_logits_prefill_and_decode_match_transformers(checkpoint: tuple[Path, object], kernels: str) -> None:
     model_dir, reference = checkpoint
     config = ModelConfig.from_pretrained(model_dir)
     assert config.quant is not None and config.quant.quant_algo == "NVFP4"
-    model = load_model(model_dir, config, KernelSet.reference(), dtype=torch.float32, device="cpu")
+    kernel_set = KernelSet.reference() if kernels == "reference" else _fused_elementwise_kernels()
+    model = load_model(model_dir, config, kernel_set, dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     max_len = max(PROMPT_LENS) + DECODE_STEPS

@@ -1,4 +1,5 @@
-"""RMSNorm (optionally fused with the residual add) and the gated RMSNorm of Gated DeltaNet."""
+"""RMSNorm (optionally fused with the residual add), the per-head q/k RMSNorm of attention and the gated
+RMSNorm of Gated DeltaNet."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return out.to(x.dtype), residual
+
+
+def qk_rms_norm_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D]; k: [T, Hk, D] (e.g. strided views of a fused qkv projection); q_weight, k_weight:
+    fp32 [D] multipliers. Each head of q and of k normalised as `rms_norm_ref` does; fresh tensors in q's
+    and k's dtypes."""
+    return rms_norm_ref(q, q_weight, eps)[0], rms_norm_ref(k, k_weight, eps)[0]
 
 
 def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,6 +94,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                BLOCK=block, num_warps=_num_warps(block))
     new_res = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_res
+
+
+@triton.jit
+def _norm_heads(x_ptr, w_ptr, out_ptr, block, n_rows, n_heads, dim, stride_t, stride_h, eps, ROWS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)
+    src = (rows // n_heads) * stride_t + (rows % n_heads) * stride_h
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_rms_norm_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, n_q_rows, n_k_rows, n_q_heads, n_k_heads,
+                        dim, stride_qt, stride_qh, stride_kt, stride_kh, eps, ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # the first programs take q's heads, the rest k's: one launch for both
+    pid = tl.program_id(0)
+    q_blocks = tl.cdiv(n_q_rows, ROWS)
+    if pid < q_blocks:
+        _norm_heads(q_ptr, qw_ptr, qo_ptr, pid, n_q_rows, n_q_heads, dim, stride_qt, stride_qh, eps, ROWS, BLOCK)
+    else:
+        _norm_heads(k_ptr, kw_ptr, ko_ptr, pid - q_blocks, n_k_rows, n_k_heads, dim, stride_kt, stride_kh, eps,
+                    ROWS, BLOCK)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `qk_rms_norm_ref`: one launch for both; q and k are read through their token and head
+    strides (no copy of a strided view), the outputs are contiguous."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"qk_rms_norm: q {tuple(q.shape)} / k {tuple(k.shape)} must be [T, H, D] alike")
+    t, hq, dim = q.shape
+    hk = k.shape[1]
+    if q_weight.shape != (dim,) or k_weight.shape != (dim,):
+        raise ValueError(f"qk_rms_norm: weights {tuple(q_weight.shape)} / {tuple(k_weight.shape)} != [{dim}]")
+    if len({q.device, k.device, q_weight.device, k_weight.device}) != 1:
+        raise ValueError("qk_rms_norm: tensors on different devices")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    q_out = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hk, dim), dtype=k.dtype, device=k.device)
+    if t and dim:
+        block = next_pow2(dim)
+        rows = max(1, min(16, 2048 // block))
+        grid = (triton.cdiv(t * hq, rows) + triton.cdiv(t * hk, rows),)
+        _qk_rms_norm_kernel[grid](q, k, q_weight, k_weight, q_out, k_out, t * hq, t * hk, hq, hk, dim, q.stride(0),
+                                  q.stride(1), k.stride(0), k.stride(1), float(eps), ROWS=rows, BLOCK=block,
+                                  num_warps=4)
+    return q_out, k_out
 
 
 @triton.jit

@@ -114,12 +114,15 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
 
     return {
         "rms_norm": pair("norm:rms_norm", "norm:rms_norm_ref"),
+        "qk_rms_norm": pair("norm:qk_rms_norm", "norm:qk_rms_norm_ref"),
         "gated_rms_norm": pair("norm:gated_rms_norm", "norm:gated_rms_norm_ref"),
         "rope": pair("rope:rope", "rope:rope_ref"),
         "store_kv": pair("attention:store_kv", "attention:store_kv_ref"),
         "paged_attention": pair("paged_attention:paged_attention",
                                 "attention:paged_attention_ref"),
+        "sigmoid_mul": pair("activation:sigmoid_mul", "activation:sigmoid_mul_ref"),
         "causal_conv1d": pair("conv1d:causal_conv1d", "conv1d:causal_conv1d_ref"),
+        "gdn_gating": pair("gdn_gating:gdn_gating", "gdn_gating:gdn_gating_ref"),
         "gated_delta_rule": (
             Backend("fla", k + "gated_delta:gated_delta_rule_fla", fla_check),
             Backend("triton", k + "gated_delta:gated_delta_rule_recurrent", triton_check),
@@ -131,6 +134,8 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
             Backend("triton-generic", k + "fused_moe:fused_moe_generic", triton_check),
             Backend("torch", k + "moe:fused_moe_ref", always),
         ),
+        "silu_and_mul": pair("activation:silu_and_mul", "activation:silu_and_mul_ref"),
+        "moe_combine": pair("activation:moe_combine", "activation:moe_combine_ref"),
         "nvfp4_linear": pair("nvfp4_linear:nvfp4_linear", "nvfp4_linear:nvfp4_linear_ref"),
     }
 

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
+from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
 from nibble.kernels.conv1d import causal_conv1d_ref
 from nibble.kernels.gated_delta import gated_delta_rule_ref
+from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
-from nibble.kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
 from nibble.kernels.rope import build_cos_sin_cache, rope_ref
 from nibble.models.config import ModelConfig
@@ -113,6 +115,25 @@ def test_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
+def test_qk_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q_width = c.q_proj_size
+    qw = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
+    kw = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
+    worst = 0.0
+    for t in (1, 37):
+        # q and k as the model sees them: head slices of the fused [q (| gate) | k | v] projection
+        qkv = ctx.randn(t, q_width + 2 * hk * d, scale=3.0)
+        q = qkv[:, :q_width].view(t, hq, -1)[..., :d]
+        k = qkv[:, q_width:q_width + hk * d].view(t, hk, d)
+        q_out, k_out = _call(fn, ctx.device, [((t, hq, d), ctx.dtype), ((t, hk, d), ctx.dtype)], q, k, qw, kw,
+                             c.rms_norm_eps)
+        q_ref, k_ref = qk_rms_norm_ref(q, k, qw, kw, c.rms_norm_eps)
+        worst = max(worst, rel_err(f"q T={t}", q_out, q_ref, ctx.tol), rel_err(f"k T={t}", k_out, k_ref, ctx.tol))
+    return worst
+
+
 def test_gated_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     n, d = 5 * c.linear_num_value_heads, c.linear_value_head_dim
@@ -200,6 +221,49 @@ def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
+def test_sigmoid_mul(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    worst = 0.0
+    for t in (1, 37):
+        # the gate as the model sees it: the second half of each head of the fused [query | gate] projection
+        q_full = ctx.randn(t, c.num_attention_heads, 2 * c.head_dim, scale=3.0)
+        x = ctx.randn(t, c.num_attention_heads, c.head_dim)
+        gate = q_full[..., c.head_dim:]
+        out = _call(fn, ctx.device, [(tuple(x.shape), ctx.dtype)], x, gate)
+        worst = max(worst, rel_err(f"T={t}", out, sigmoid_mul_ref(x, gate), ctx.tol))
+    return worst
+
+
+def _moe_projection(ctx: SelfTestContext, t: int) -> tuple[torch.Tensor, ...]:
+    """The MoE block's fused projection output [T, E + 2 I + 1] and its views: router logits, shared gate,
+    shared up, shared expert gate logit."""
+    c = ctx.config
+    e, i = c.num_experts, c.shared_expert_intermediate_size
+    y = ctx.randn(t, e + 2 * i + 1, scale=3.0)
+    return y, y[:, :e], y[:, e:e + i], y[:, e + i:e + 2 * i], y[:, e + 2 * i:]
+
+
+def test_silu_and_mul(fn: Callable, ctx: SelfTestContext) -> float:
+    i = ctx.config.shared_expert_intermediate_size
+    worst = 0.0
+    for t in (1, 37):
+        _, _, gate, up, _ = _moe_projection(ctx, t)
+        out = _call(fn, ctx.device, [((t, i), ctx.dtype)], gate, up)
+        worst = max(worst, rel_err(f"T={t}", out, silu_and_mul_ref(gate, up), ctx.tol))
+    return worst
+
+
+def test_moe_combine(fn: Callable, ctx: SelfTestContext) -> float:
+    h = ctx.config.hidden_size
+    worst = 0.0
+    for t in (1, 37):
+        gate_logit = _moe_projection(ctx, t)[-1]
+        routed, shared = ctx.randn(t, h), ctx.randn(t, h)
+        out = _call(fn, ctx.device, [((t, h), ctx.dtype)], routed, shared, gate_logit)
+        worst = max(worst, rel_err(f"T={t}", out, moe_combine_ref(routed, shared, gate_logit), ctx.tol))
+    return worst
+
+
 def test_causal_conv1d(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     ch, width = c.linear_conv_dim, c.linear_conv_kernel_dim
@@ -215,6 +279,24 @@ def test_causal_conv1d(fn: Callable, ctx: SelfTestContext) -> float:
         out = _call(fn, ctx.device, [((t, ch), ctx.dtype)], x, w, state, cu, slots)
         ref = causal_conv1d_ref(x, w, state_ref, cu, slots)
         worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("conv_state", state, state_ref, ctx.tol))
+    return worst
+
+
+def test_gdn_gating(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    hv = c.linear_num_value_heads
+    width = c.linear_conv_dim + c.linear_value_dim + 2 * hv
+    neg_a = -(ctx.rand(hv) * 15.0 + 1.0)
+    dt_bias = ctx.randn(hv, dtype=torch.float32)
+    worst = 0.0
+    for t in (1, 37):
+        # a and b as the model sees them: the last columns of the fused in_proj output (b then a); the
+        # scale reaches past softplus's threshold of 20 and far into its exponential tail
+        proj = ctx.randn(t, width, scale=12.0)
+        b, a = proj[:, width - 2 * hv:width - hv], proj[:, width - hv:]
+        g, beta = _call(fn, ctx.device, [((t, hv), torch.float32), ((t, hv), ctx.dtype)], a, b, neg_a, dt_bias)
+        g_ref, beta_ref = gdn_gating_ref(a, b, neg_a, dt_bias)
+        worst = max(worst, rel_err(f"g T={t}", g, g_ref, ctx.tol), rel_err(f"beta T={t}", beta, beta_ref, ctx.tol))
     return worst
 
 
@@ -240,7 +322,8 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
 def test_route(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     t = 33
-    logits = ctx.randn(t, c.num_experts, scale=2.0)
+    # the router logits as the model sees them: a strided view of the MoE block's fused projection
+    logits = _moe_projection(ctx, t)[1]
     w, ids = _call(fn, ctx.device, [((t, c.num_experts_per_tok), torch.float32)], logits, c.num_experts_per_tok,
                    c.norm_topk_prob)
     w_ref, ids_ref = route_ref(logits, c.num_experts_per_tok, c.norm_topk_prob)
@@ -306,13 +389,18 @@ def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
 
 SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "rms_norm": test_rms_norm,
+    "qk_rms_norm": test_qk_rms_norm,
     "gated_rms_norm": test_gated_rms_norm,
     "rope": test_rope,
     "store_kv": test_store_kv,
     "paged_attention": test_paged_attention,
+    "sigmoid_mul": test_sigmoid_mul,
     "causal_conv1d": test_causal_conv1d,
+    "gdn_gating": test_gdn_gating,
     "gated_delta_rule": test_gated_delta_rule,
     "route": test_route,
     "fused_moe": test_fused_moe,
+    "silu_and_mul": test_silu_and_mul,
+    "moe_combine": test_moe_combine,
     "nvfp4_linear": test_nvfp4_linear,
 }

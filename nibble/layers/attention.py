@@ -1,5 +1,6 @@
-"""Gated full attention of Qwen3.5: q_proj yields [query | gate] per head, per-head q/k RMSNorm, partial
-RoPE, paged KV cache, GQA, and the output gated by sigmoid(gate) before o_proj.
+"""Gated full attention of Qwen3.5: q_proj yields [query | gate] per head, per-head q/k RMSNorm (one
+launch for both, reading the heads in place from the fused projection), partial RoPE, paged KV cache, GQA,
+and the output gated by sigmoid(gate) before o_proj.
 
 Under tensor parallelism each rank holds num_heads / tp query heads (with their gate halves: q_proj's rows
 are [query | gate] per head, so a rank's heads are one contiguous block of rows) and o_proj is
@@ -62,8 +63,9 @@ class GatedAttention(nn.Module):
         else:
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             gate = None
-        q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.kernels.qk_rms_norm(q, k, self.q_norm.loaded_multiplier(), self.k_norm.loaded_multiplier(),
+                                        self.q_norm.eps)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, batch.positions)
         self.kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
@@ -71,7 +73,7 @@ class GatedAttention(nn.Module):
             q, cache.k, cache.v, batch.cu_seqlens_q, batch.seq_lens, batch.block_table, self.scale,
             cache.k_scale, cache.v_scale, batch.max_query_len, batch.max_seq_len)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = self.kernels.sigmoid_mul(out, gate)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -11,7 +11,6 @@ row-parallel. The state pool of a rank holds its heads only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nibble.kernels.kernel_set import KernelSet
@@ -81,8 +80,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.value_head_dim)
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
-        beta = torch.sigmoid(b)
+        g, beta = self.kernels.gdn_gating(a, b, self.neg_A, self.dt_bias)
         o = self.kernels.gated_delta_rule(q, k, v, g, beta, state.ssm, batch.cu_seqlens_q, batch.state_slots)
         o = self.kernels.gated_rms_norm(o.reshape(-1, self.value_head_dim),
                                         z.reshape(-1, self.value_head_dim), self.norm_weight, self.eps)

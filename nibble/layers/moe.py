@@ -7,12 +7,15 @@ a partial sum of every expert; with expert parallelism each rank holds num_exper
 computes those for all tokens. Either way each rank's routed output is a partial sum, as is the output of
 the shared expert (split like a dense MLP), and the block does a single all-reduce of their sum. The router
 and shared_expert_gate are replicated.
+
+Router, shared gate/up and shared_expert_gate all read the block's input: they are one fused projection
+(rows [router | this rank's shared gate | its shared up | shared_expert_gate]), whose output columns feed
+`route`, `silu_and_mul` and `moe_combine` as strided views.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nibble.formats.nvfp4 import GROUP_SIZE, NVFP4Tensor
@@ -21,7 +24,6 @@ from nibble.kernels.moe import MoEWeights
 from nibble.layers.linear import (
     FLOAT_DTYPES,
     FusedProjections,
-    Linear,
     RowParallelLinear,
     WeightLoadError,
     check_tensor,
@@ -207,28 +209,29 @@ class SparseMoE(nn.Module):
         def quantized(name: str) -> bool:
             return config.quant is not None and config.quant.is_quantized(f"{prefix}.{name}")
 
-        self.gate = Linear(h, [config.num_experts], quantized=False, kernels=kernels, dtype=dtype, device=device)
         self.experts = RoutedExperts(config.num_experts, h, config.moe_intermediate_size,
                                      quantized=quantized("experts"), dtype=dtype, device=device, parallel=parallel)
         self.expert_parallel = self.experts.num_local_experts != config.num_experts
         si = config.shared_expert_intermediate_size
         si_part = parallel.split(si, "shared_expert_intermediate_size")
-        self.shared_gate_up = FusedProjections(
-            h, [("shared_expert.gate_proj", si_part, quantized("shared_expert.gate_proj")),
-                ("shared_expert.up_proj", si_part, quantized("shared_expert.up_proj"))],
+        # Everything that reads `hidden` besides the routed experts, in one GEMM when all of it is BF16 (as in
+        # the released checkpoints). FusedProjections merges neighbours of one quantization method, and the
+        # router is never quantized, so it goes first: an NVFP4 shared expert then still computes its
+        # gate_proj, up_proj and shared_expert_gate in one NVFP4 GEMM.
+        self.in_proj = FusedProjections(
+            h, [("gate", Partition.whole(config.num_experts), False),
+                ("shared_expert.gate_proj", si_part, quantized("shared_expert.gate_proj")),
+                ("shared_expert.up_proj", si_part, quantized("shared_expert.up_proj")),
+                ("shared_expert_gate", Partition.whole(1), quantized("shared_expert_gate") and h % 16 == 0)],
             kernels=kernels, dtype=dtype, device=device)
         self.shared_down = RowParallelLinear(si, h, quantized=quantized("shared_expert.down_proj"), kernels=kernels,
                                              dtype=dtype, device=device, parallel=parallel, reduce_results=False)
-        self.shared_expert_gate = Linear(h, [1], quantized=quantized("shared_expert_gate") and h % 16 == 0,
-                                         kernels=kernels, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(hidden)
+        router_logits, gate, up, shared_gate_logit = self.in_proj(hidden)
         topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize)
         if self.expert_parallel:
             topk_weights, topk_ids = self.experts.localize(topk_weights, topk_ids)
         routed = self.kernels.fused_moe(hidden, topk_weights, topk_ids, self.experts.weights())
-        gate, up = self.shared_gate_up(hidden)
-        shared = self.shared_down(F.silu(gate) * up)
-        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-        return self.parallel.all_reduce(routed + shared)
+        shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
+        return self.parallel.all_reduce(self.kernels.moe_combine(routed, shared, shared_gate_logit))

@@ -27,8 +27,12 @@ class RMSNorm(nn.Module):
         w = self.weight.data.float()
         self.multiplier = (1.0 + w) if self.zero_centered else w
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def loaded_multiplier(self) -> torch.Tensor:
+        """The fp32 multiplier [H]; for layers that pass it to a fused kernel themselves."""
         if self.multiplier is None:
             raise RuntimeError("RMSNorm.finalize() was not called after loading weights")
-        return self.kernels.rms_norm(x, self.multiplier, self.eps, residual)
+        return self.multiplier
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.kernels.rms_norm(x, self.loaded_multiplier(), self.eps, residual)

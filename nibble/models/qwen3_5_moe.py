@@ -240,16 +240,12 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             return
         sub = rest[len("mlp."):]
         proj, _, kind = sub.rpartition(".")
-        if proj == "gate":
-            if tensor.dtype == torch.uint8:
-                raise WeightLoadError(f"tensor '{name}': the router must be BF16, found an NVFP4 weight")
-            self._load_linear(name, moe.gate, proj, kind, tensor)
-        elif proj in ("shared_expert.gate_proj", "shared_expert.up_proj"):
-            self._load_linear(name, moe.shared_gate_up, proj, kind, tensor)
+        if proj == "gate" and tensor.dtype == torch.uint8:
+            raise WeightLoadError(f"tensor '{name}': the router must be BF16, found an NVFP4 weight")
+        if proj in moe.in_proj.names:
+            self._load_linear(name, moe.in_proj, proj, kind, tensor)
         elif proj == "shared_expert.down_proj":
             self._load_linear(name, moe.shared_down, proj, kind, tensor)
-        elif proj == "shared_expert_gate":
-            self._load_linear(name, moe.shared_expert_gate, proj, kind, tensor)
         else:
             raise WeightLoadError(f"tensor '{name}': unknown MoE tensor")
 
@@ -271,10 +267,8 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 names += _linear_names(f"{p}.linear_attn", g.in_proj)
                 names += _linear_names(f"{p}.linear_attn.out_proj", g.out_proj)
             mlp = layer.mlp
-            names += _linear_names(f"{p}.mlp.gate", mlp.gate)
-            names += _linear_names(f"{p}.mlp", mlp.shared_gate_up)
+            names += _linear_names(f"{p}.mlp", mlp.in_proj)
             names += _linear_names(f"{p}.mlp.shared_expert.down_proj", mlp.shared_down)
-            names += _linear_names(f"{p}.mlp.shared_expert_gate", mlp.shared_expert_gate)
         return names
 
     def check_complete(self) -> None:

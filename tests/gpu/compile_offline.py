@@ -63,7 +63,7 @@ def main() -> int:
 
     import nibble.kernels._triton as tri
     from nibble.formats.nvfp4 import NVFP4Tensor
-    from nibble.kernels import attention, conv1d, gated_delta, moe_align, moe_route, norm, rope
+    from nibble.kernels import activation, attention, conv1d, gated_delta, gdn_gating, moe_align, moe_route, norm, rope
     from nibble.kernels import fused_moe as fm
     from nibble.kernels import nvfp4_linear as nl
     from nibble.kernels import paged_attention as pa
@@ -103,8 +103,19 @@ def main() -> int:
                 torch.randn(4, h, dtype=bf))
         attempt("gated_rms_norm", norm.gated_rms_norm, torch.randn(64, 128, dtype=bf), torch.randn(64, 128, dtype=bf),
                 torch.ones(128, dtype=bf), 1e-6)
+        attempt("qk_rms_norm", norm.qk_rms_norm, torch.randn(4, 32, 512, dtype=bf)[..., :256],
+                torch.randn(4, 2, 256, dtype=bf), torch.ones(256), torch.ones(256), 1e-6)
         attempt("rope", rope.rope, torch.randn(4, 32, 256, dtype=bf), torch.randn(4, 2, 256, dtype=bf),
                 torch.zeros(4, dtype=torch.long), torch.randn(100, 64))
+        attempt("sigmoid_mul", activation.sigmoid_mul, torch.randn(4, 32, 256, dtype=bf),
+                torch.randn(4, 32, 512, dtype=bf)[..., 256:])
+        proj = torch.randn(4, e + 2 * inter + 1, dtype=bf)
+        attempt("silu_and_mul", activation.silu_and_mul, proj[:, e:e + inter], proj[:, e + inter:e + 2 * inter])
+        attempt("moe_combine", activation.moe_combine, torch.randn(4, h, dtype=bf), torch.randn(4, h, dtype=bf),
+                proj[:, -1:])
+        gdn_proj = torch.randn(4, 128, dtype=bf)
+        attempt("gdn_gating", gdn_gating.gdn_gating, gdn_proj[:, 64:], gdn_proj[:, :64], -torch.ones(64),
+                torch.zeros(64))
         for cu in (cu3, cuv):
             attempt("conv1d", conv1d.causal_conv1d, torch.randn(int(cu[-1]), ch, dtype=bf),
                     torch.randn(ch, 4, dtype=bf), torch.randn(4, 3, ch, dtype=bf), cu, sl3)

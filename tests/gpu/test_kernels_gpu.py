@@ -19,6 +19,14 @@ from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import attention  # noqa: E402
 from nibble.kernels import fused_moe as fm  # noqa: E402
 from nibble.kernels import paged_attention as pa  # noqa: E402
+from nibble.kernels.activation import (  # noqa: E402
+    moe_combine,
+    moe_combine_ref,
+    sigmoid_mul,
+    sigmoid_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from nibble.kernels.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
 from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
 from nibble.kernels.gated_delta import (  # noqa: E402
@@ -26,9 +34,17 @@ from nibble.kernels.gated_delta import (  # noqa: E402
     gated_delta_rule_recurrent,
     gated_delta_rule_ref,
 )
+from nibble.kernels.gdn_gating import gdn_gating, gdn_gating_ref  # noqa: E402
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref  # noqa: E402
 from nibble.kernels.moe_route import route  # noqa: E402
-from nibble.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from nibble.kernels.norm import (  # noqa: E402
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    qk_rms_norm,
+    qk_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
@@ -91,6 +107,10 @@ def test_norms_and_rope(name: str, t: int) -> None:
     pos = torch.randint(0, 65536, (t,), device=DEV)
     qf = torch.randn(t, c.num_attention_heads, 2 * c.head_dim, device=DEV, dtype=BF16)
     k = torch.randn(t, c.num_key_value_heads, c.head_dim, device=DEV, dtype=BF16)
+    qw, kw = 1 + 0.1 * torch.randn(c.head_dim, device=DEV), 1 + 0.1 * torch.randn(c.head_dim, device=DEV)
+    q_n, k_n = qk_rms_norm(qf[..., :c.head_dim], k, qw, kw, 1e-6)
+    q_n_ref, k_n_ref = qk_rms_norm_ref(qf[..., :c.head_dim].float(), k.float(), qw, kw, 1e-6)
+    assert rel(q_n, q_n_ref) < TOL and rel(k_n, k_n_ref) < TOL
     q_ref, k_ref = rope_ref(qf[..., :c.head_dim].float(), k.float(), pos, cache)
     q_out, k_out = rope(qf[..., :c.head_dim], k, pos, cache)
     assert rel(q_out, q_ref) < TOL and rel(k_out, k_ref) < TOL
@@ -199,6 +219,42 @@ def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn) -> None:
     out = torch.cat([torch.cat(o) for o in outs])
     assert rel(out, ref) < TOL
     assert rel(state, state_ref) < TOL
+
+
+@pytest.mark.parametrize("t", [1, 256, 4096])
+def test_fused_elementwise_on_projection_views(t: int) -> None:
+    """The ops that read strided column views of the fused projections, bf16, 122B shapes: GDN gating from
+    in_proj's b and a columns, the router, SiLU-and-mul and the shared-expert combination from the MoE
+    block's [router | shared gate | shared up | shared_expert_gate] output, attention's sigmoid gate."""
+    c = config("122B")
+    hv, h, e, si = c.linear_num_value_heads, c.hidden_size, c.num_experts, c.shared_expert_intermediate_size
+    width = c.linear_conv_dim + c.linear_value_dim + 2 * hv
+    proj = torch.randn(t, width, device=DEV, dtype=BF16) * 8
+    b, a = proj[:, width - 2 * hv:width - hv], proj[:, width - hv:]
+    neg_a = -(torch.rand(hv, device=DEV) * 15 + 1)
+    dt_bias = torch.randn(hv, device=DEV)
+    g, beta = gdn_gating(a, b, neg_a, dt_bias)
+    g_ref, beta_ref = gdn_gating_ref(a.float(), b.float(), neg_a, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == BF16
+    assert rel(g, g_ref) < 1e-5 and rel(beta, beta_ref) < TOL
+
+    moe = torch.randn(t, e + 2 * si + 1, device=DEV, dtype=BF16) * 3
+    logits, gate, up, gate_logit = moe[:, :e], moe[:, e:e + si], moe[:, e + si:e + 2 * si], moe[:, e + 2 * si:]
+    w, ids = route(logits, c.num_experts_per_tok)
+    w_ref, ids_ref = route_ref(logits, c.num_experts_per_tok)
+    lf = logits.float()
+    assert torch.equal(lf.gather(1, ids.long()), lf.gather(1, ids_ref.long())) and rel(w, w_ref) < 1e-5
+    assert rel(silu_and_mul(gate, up), silu_and_mul_ref(gate.float(), up.float())) < TOL
+    routed = torch.randn(t, h, device=DEV, dtype=BF16)
+    shared = torch.randn(t, h, device=DEV, dtype=BF16)
+    out = moe_combine(routed, shared, gate_logit)
+    assert out.dtype == BF16
+    assert rel(out, moe_combine_ref(routed.float(), shared.float(), gate_logit.float())) < TOL
+
+    qg = torch.randn(t, c.num_attention_heads, 2 * c.head_dim, device=DEV, dtype=BF16) * 3
+    x = torch.randn(t, c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
+    gate_half = qg[..., c.head_dim:]
+    assert rel(sigmoid_mul(x, gate_half), sigmoid_mul_ref(x.float(), gate_half.float())) < TOL
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -25,6 +25,15 @@ def test_route(renorm: bool) -> None:
     assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
 
 
+def test_route_strided_logits_of_fused_projection() -> None:
+    """The router logits are the first columns of the MoE block's fused projection: read in place."""
+    y = torch.randn(21, 37 + 2 * 10 + 1)
+    logits = y[:, :37]
+    w, ids = route(logits, 4, True)
+    w_ref, ids_ref = route_ref(logits, 4, True)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
+
+
 @pytest.mark.parametrize("t,block_m", [(1, 16), (9, 4), (1400, 16)])
 def test_align(t: int, block_m: int) -> None:
     ids = torch.randint(0, 9, (t, K), dtype=torch.int32)

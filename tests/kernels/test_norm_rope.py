@@ -1,4 +1,4 @@
-"""RMSNorm, gated RMSNorm and partial RoPE (Triton, interpreter, fp32) against the references."""
+"""RMSNorm, q/k RMSNorm, gated RMSNorm and partial RoPE (Triton, interpreter, fp32) against the references."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import poisoned, rel_err
 
-from nibble.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+from nibble.kernels.norm import gated_rms_norm, gated_rms_norm_ref, qk_rms_norm, qk_rms_norm_ref, rms_norm, rms_norm_ref
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref
 
 
@@ -50,3 +50,23 @@ def test_rope_strided_in_place(rot: int) -> None:
     assert rel_err(q_out, q_ref) < 1e-6 and rel_err(k_out, k_ref) < 1e-6
     assert q_out.data_ptr() == q_full.data_ptr() and k_out.data_ptr() == k.data_ptr()
     assert torch.equal(q_full[..., d:], gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 6, 2, 24), (9, 5, 1, 40)])
+def test_qk_rms_norm_heads_of_fused_projection(dtype: torch.dtype, t: int, hq: int, hk: int, d: int) -> None:
+    """q: the query half of each [query | gate] head, k: its columns of the fused qkv output (neither can be
+    flattened to rows without a copy when T > 1): read in place, one launch for both."""
+    qkv = (torch.randn(t, hq * 2 * d + 2 * hk * d) * 3).to(dtype)
+    q = qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., :d]
+    k = qkv[:, hq * 2 * d:hq * 2 * d + hk * d].view(t, hk, d)
+    qw, kw = 1 + 0.1 * torch.randn(d), 1 + 0.1 * torch.randn(d)
+    before = qkv.clone()
+    q_out, k_out = poisoned(qk_rms_norm, [((t, hq, d), dtype), ((t, hk, d), dtype)], q, k, qw, kw, 1e-6)
+    q_ref, k_ref = qk_rms_norm_ref(q, k, qw, kw, 1e-6)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    # bf16: the interpreter rounds by truncation, one ulp off the reference at most
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -6
+    assert torch.allclose(q_out.float(), q_ref.float(), rtol=tol, atol=1e-6)
+    assert torch.allclose(k_out.float(), k_ref.float(), rtol=tol, atol=1e-6)
+    assert torch.equal(qkv, before)
