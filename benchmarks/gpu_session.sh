@@ -91,11 +91,11 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
   grep -E "kernels:|self-test|engine ready|captured" "$OUT/serve_$name.log" >> "$SUMMARY"
   pack
 }
-stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 170 150 --max-num-seqs 128; }
-stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32 1 70 90 --max-num-seqs 64; }
+stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 120 230 --max-num-seqs 128; }
+stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 80 130 --max-num-seqs 128; }
 stage_serve35c128() { serve_and_bench 35c128 $M/Qwen3.5-35B-A3B-NVFP4 128 1 35 60 --max-num-seqs 128; }
 stage_peer35() {
-  run peer35 150 python3 benchmarks/transformers_peer.py --model $M/Qwen3.5-35B-A3B --batch-sizes 1,8 \
+  run peer35 120 python3 benchmarks/transformers_peer.py --model $M/Qwen3.5-35B-A3B --batch-sizes 1,8 \
     --input-len 1024 --output-len 64 --out "$OUT/peer35.json"
 }
 
