@@ -69,7 +69,7 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int | Partition, output_sizes: Sequence[int | Partition], *, quantized: bool,
-                 kernels: KernelSet, dtype: torch.dtype, device: torch.device | str) -> None:
+                 kernels: KernelSet, dtype: torch.dtype, device: torch.device | str, pad_rows_to: int = 1) -> None:
         super().__init__()
         self.in_partition = _as_partition(in_features)
         self.out_partitions = tuple(_as_partition(o) for o in output_sizes)
@@ -90,7 +90,10 @@ class Linear(nn.Module):
             self.global_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=device),
                                              requires_grad=False)
         else:
-            self.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device=device), requires_grad=False)
+            # zero rows up to a multiple of pad_rows_to keep the output rows 16-byte aligned for cuBLAS (an odd
+            # width such as 2305 gets a slow unaligned GEMM); forward's output includes them, callers slice
+            rows = -(-n // pad_rows_to) * pad_rows_to
+            self.weight = nn.Parameter(torch.zeros(rows, k, dtype=dtype, device=device), requires_grad=False)
 
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.output_sizes[:shard])
@@ -174,7 +177,8 @@ class FusedProjections(nn.Module):
             else:
                 groups.append([spec])
         self.linears = nn.ModuleList(
-            Linear(in_features, [s[1] for s in g], quantized=g[0][2], kernels=kernels, dtype=dtype, device=device)
+            Linear(in_features, [s[1] for s in g], quantized=g[0][2], kernels=kernels, dtype=dtype, device=device,
+                   pad_rows_to=8)
             for g in groups)
         self._where: dict[str, tuple[int, int]] = {}
         for gi, g in enumerate(groups):
@@ -190,7 +194,13 @@ class FusedProjections(nn.Module):
         outs: list[torch.Tensor] = []
         for lin in self.linears:
             y = lin(x)
-            outs.extend(torch.split(y, list(lin.output_sizes), dim=-1) if len(lin.output_sizes) > 1 else [y])
+            if len(lin.output_sizes) == 1 and y.shape[-1] == lin.out_features:
+                outs.append(y)
+                continue
+            start = 0
+            for size in lin.output_sizes:
+                outs.append(y[..., start:start + size])
+                start += size
         return outs
 
 
