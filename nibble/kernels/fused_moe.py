@@ -15,12 +15,9 @@ block of the sorted path. Dense experts run the older per-pair GEMV (moe_gemv.py
 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.
 
-Measured on one H200 (benchmarks/moe_bench.py, copy ceiling 4.26 TB/s) with the first version of these
-kernels, whose structure and tiles are the "split" configurations in tuning/default.json: 122B-A10B layer
-T=1 ~39 us (before: 50.5), T=8 150 (345), T=32 409 (973), T=256 613 (2647), T=2048 1.90 ms = 162 TFLOP/s
-(8.7 ms); 35B-A3B T=1 ~20 us (28.5), T=32 150 (337). The code was reorganised since (gate and up rows in
-one tile, the "quad" / "perm" activation modes, the fused top-k sum): checked on CPU and compiled for
-sm_80 / sm_90, not yet re-timed on the GPU.
+Measured on one H200 (benchmarks/moe_bench.py --sweep, copy ceiling 4.26 TB/s; docs/benchmarks.md), with the
+H200 table's choices: 122B-A10B layer T=1 25.8 us (first generation: 50.5), T=8 134 (372), T=32 335 (917),
+T=128 594 (2202), T=2048 1.85 ms = 168 TFLOP/s (8.6 ms); 35B-A3B T=1 15.1 us (28.7), T=32 145 (354).
 """
 
 from __future__ import annotations
