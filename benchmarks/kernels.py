@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nibble.bench.gpu_timing import capture_graph, cold_ms
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.attention import store_kv
 from nibble.kernels.conv1d import causal_conv1d
@@ -73,28 +73,12 @@ class Bench:
         run = fn
         if graph:
             try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                run = g.replay
+                run = capture_graph(fn).replay
             except Exception:
                 torch.cuda.synchronize()
                 graph = False
                 run = fn
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            self.flush.zero_()
-            starts[i].record()
-            run()
-            ends[i].record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), graph
+        return cold_ms(run, reps, self.flush), graph
 
     def add(self, **rec: Any) -> None:
         self.records.append(rec)

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nibble.bench.gpu_timing import capture_graph, cold_ms
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.fused_moe import fused_moe_launch
@@ -153,28 +154,8 @@ class Timer:
         self.reps = reps
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
-    def _graph(self, fn) -> torch.cuda.CUDAGraph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
     def cold_us(self, fn) -> float:
-        g = self._graph(fn)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        for i in range(self.reps):
-            self.flush.zero_()
-            starts[i].record()
-            g.replay()
-            ends[i].record()
-        torch.cuda.synchronize()
-        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
+        return 1e3 * cold_ms(capture_graph(fn).replay, self.reps, self.flush)
 
     def stream_us(self, fns: list, rounds: int = 5) -> float:
         def all_layers() -> None:
@@ -182,7 +163,7 @@ class Timer:
                 for f in fns:
                     f()
 
-        g = self._graph(all_layers)
+        g = capture_graph(all_layers)
         times = []
         for _ in range(5):
             self.flush.zero_()

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("NIBBLE_TEST_GPU") != "1" or not torch.cuda.is_available(),
     reason="GPU kernel tests need NIBBLE_TEST_GPU=1 and a CUDA device")
 
+from nibble.bench.gpu_timing import capture_graph  # noqa: E402
 from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import attention  # noqa: E402
 from nibble.kernels import fused_moe as fm  # noqa: E402
@@ -326,14 +327,9 @@ def test_fused_moe_cuda_graph_replay(t: int) -> None:
     x = torch.randn(t, h, device=DEV, dtype=BF16)
     w, ids = route_ref(torch.randn(t, e, device=DEV), k)
     fused_moe_launch(x, w, ids, experts)  # warm-up: compiles, allocates the counters
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fused_moe_launch(x, w, ids, experts)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fused_moe_launch(x, w, ids, experts)
+    outs: list[torch.Tensor] = []
+    g = capture_graph(lambda: outs.append(fused_moe_launch(x, w, ids, experts)))
+    out = outs[-1]  # the captured call's output buffer, rewritten by each replay
     for _ in range(3):
         x.copy_(torch.randn(t, h, device=DEV, dtype=BF16))
         w2, ids2 = route_ref(torch.randn(t, e, device=DEV), k)
