@@ -62,6 +62,22 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED: 
 
 
 @triton.jit
+def _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED: tl.constexpr, SLOTS: tl.constexpr):
+    """(pair [SLOTS], ok [SLOTS]) the epilogue writes: the block's sorted pairs of expert e that exist, or
+    pair = program 0 in slot 0 alone (pairs mode)."""
+    sl = tl.arange(0, SLOTS)
+    if SORTED:
+        pid = tl.program_id(0)
+        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
+        ok = pid * SLOTS + sl < end
+        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
+    else:
+        ok = sl == 0
+        pr = tl.program_id(0) + sl * 0
+    return pr, ok
+
+
+@triton.jit
 def _b_quad(row_ptr, valid, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Quad-mode activation tile [BLOCK_K/4, N]: B[u, col] = A[row(col), k0 + 4u + col % 4]; row_ptr,
     valid: [N] per column (token slot col // 4)."""
@@ -192,15 +208,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    sl = tl.arange(0, SLOTS)
-    if SORTED:
-        pid = tl.program_id(0)
-        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
-        ok = pid * SLOTS + sl < end
-        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
-    else:
-        ok = sl == 0
-        pr = tl.program_id(0) + sl * 0
+    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
              act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
 
@@ -248,15 +256,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
         acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc = _finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
-    sl = tl.arange(0, SLOTS)
-    if SORTED:
-        pid = tl.program_id(0)
-        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
-        ok = pid * SLOTS + sl < end
-        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
-    else:
-        ok = sl == 0
-        pr = tl.program_id(0) + sl * 0
+    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     acc *= tl.load(topk_w_ptr + pr, mask=ok, other=0.0)[None, :]
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=(n < hidden)[:, None] & ok[None, :])
