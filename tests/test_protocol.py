@@ -193,3 +193,14 @@ def test_error_response_shape() -> None:
         "error": {"message": "temperature: bad", "type": "invalid_request_error", "param": "temperature", "code": 400}
     }
     assert ErrorResponse.model_validate(err.model_dump()) == err
+
+
+def test_sampling_params_bounds_stop_token_ids_with_a_short_message() -> None:
+    """The offline API (no HTTP layer) refuses an oversized stop_token_ids list too, naming the field and the
+    count, without echoing the whole list back."""
+    from nibble.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
+
+    SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).validate()
+    with pytest.raises(SamplingParamsError, match=r"^stop_token_ids .*at most 1024.*got 5000$") as info:
+        SamplingParams(stop_token_ids=list(range(5000))).validate()
+    assert len(str(info.value)) < 200

@@ -69,8 +69,9 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
-        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-              f"at most {MAX_STOP_TOKEN_IDS} are allowed, got {len(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # not via check(): its message would print the list
+            raise SamplingParamsError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got "
+                                      f"{len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
