@@ -47,6 +47,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [N, D] with contiguous columns for a row-strided kernel: a view where the strides allow
+    (e.g. a column slice of a fused projection), else a copy."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def device_key(device: torch.device | str) -> str:
     """Normalised device name for tuning tables: 'NVIDIA H200' -> 'nvidia_h200'; 'cpu' on the CPU."""
     device = torch.device(device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels._triton import as_rows, next_pow2, tl, triton
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -54,13 +54,6 @@ def _moe_combine_kernel(r_ptr, s_ptr, gl_ptr, out_ptr, n_rows, n_cols, stride_r,
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [N, D] with contiguous columns: a view where the strides allow (e.g. the gate half of
-    attention's [query | gate] heads), else a copy."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
     """(grid, ROWS, BLOCK): column blocks of up to 1024 so that a single decode row still spreads over a few
     programs, and about 2048 elements per program."""
@@ -76,7 +69,7 @@ def _gated_mul(name: str, x: torch.Tensor, g: torch.Tensor, silu: bool) -> torch
         raise ValueError(f"{name}: floating-point inputs expected, got {x.dtype} / {g.dtype}")
     if x.device != g.device:
         raise ValueError(f"{name}: tensors on different devices")
-    x2, g2 = _rows(x), _rows(g)
+    x2, g2 = as_rows(x), as_rows(g)
     n, d = x2.shape
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n and d:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels._triton import as_rows, next_pow2, tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -59,11 +59,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride
     tl.store(out_ptr + row * stride_o + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
@@ -79,11 +74,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                          f"{tuple(x.shape)}/{x.dtype}")
     if weight.device != x.device or (residual is not None and residual.device != x.device):
         raise ValueError("rms_norm: tensors on different devices")
-    x2 = _rows(x)
+    x2 = as_rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
     if residual is not None:
-        r2 = _rows(residual)
+        r2 = as_rows(residual)
         res_out = torch.empty_like(out)
     else:
         r2, res_out = x2, out
@@ -177,7 +172,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gated_rms_norm: weight {tuple(weight.shape)} does not match {dim}")
     if gate.device != x.device or weight.device != x.device:
         raise ValueError("gated_rms_norm: tensors on different devices")
-    x2, g2 = _rows(x), _rows(gate)
+    x2, g2 = as_rows(x), as_rows(gate)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[0]
     if n:
