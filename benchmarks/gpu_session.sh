@@ -50,7 +50,17 @@ stage_ncu() {
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     python3 benchmarks/moe_ncu.py --model 122B --tokens 1 --configs "[{}]"
 }
+stage_ncu1() {  # the T = 1 and T = 32 expert kernels in detail: stall reasons, pipes, memory, hot instructions
+  for t in 1 32; do
+    run ncu1_t$t 150 ncu --clock-control none --kernel-name regex:moe_w4 --launch-skip 0 --launch-count 4 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters \
+      --print-details all --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
+  done
+}
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
+stage_kernels_std() { run kernels_std 400 python3 benchmarks/kernels.py --budget-s 370 --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_full() { run kernels_full 480 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_doctor() { run doctor 240 python3 -m nibble.cli doctor --model $M/Qwen3.5-122B-A10B-NVFP4 --json; }
 stage_latency35() {

@@ -2,7 +2,8 @@
 prefill sizes on the real Qwen3.5-122B-A10B / 397B-A17B layer shapes, with a torch baseline where one
 exists. Prints a markdown table last.
 
-    python benchmarks/kernels.py --out out/kernels.json --md out/kernels.md [--quick | --full] [--sweep-moe]
+    python benchmarks/kernels.py --out out/kernels.json --md out/kernels.md [--quick | --full]
+        [--sweep-moe | --sweep-linear]
 
 Times are medians over CUDA-graph replays (launch overhead excluded, as in the engine's decode graphs)
 with the L2 cache flushed before each replay; ops that cannot be captured (fla's prefill syncs) are timed
@@ -38,7 +39,7 @@ from nibble.kernels.gated_delta import gated_delta_rule_fla, gated_delta_rule_re
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_route import route
 from nibble.kernels.norm import rms_norm
-from nibble.kernels.nvfp4_linear import nvfp4_linear_launch
+from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref
 from nibble.kernels.paged_attention import paged_attention
 
 DEV = torch.device("cuda")
@@ -49,7 +50,7 @@ MODELS = {
 }
 ATTN = {"hq": 32, "hk": 2, "d": 256}
 GDN = {"hk": 16, "hv": 64, "dk": 128, "dv": 128, "conv": 2 * 16 * 128 + 64 * 128, "width": 4}
-DECODE = (1, 8, 32, 128, 256)
+DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL = (2048, 8192)
 
 
@@ -196,18 +197,68 @@ def bench_moe(b: Bench, model: str, sizes: tuple[int, ...], paths: bool, with_ba
     torch.cuda.empty_cache()
 
 
-def bench_linear(b: Bench, model: str, sizes: tuple[int, ...]) -> None:
+def linear_shapes(model: str) -> tuple[tuple[int, int, str], ...]:
     h = MODELS[model]["hidden"]
-    for n, k, name in ((h, 8192, "o_proj-like"), (16384, h, "q_proj-like")):
+    return (h, 8192, "o_proj-like"), (16384, h, "q_proj-like")
+
+
+def bench_linear(b: Bench, model: str, sizes: tuple[int, ...]) -> None:
+    for n, k, name in linear_shapes(model):
         w = random_nvfp4(n, k)
         wd = torch.randn(n, k, device=DEV, dtype=BF16)
         for t in sizes:
             x = torch.randn(t, k, device=DEV, dtype=BF16)
             nbytes = w.nbytes() + t * (k + n) * 2
             big = t > 256
-            b.case(model, "nvfp4_linear", f"{name} {n}x{k}", t, "auto", partial(nvfp4_linear_launch, x, w),
-                   nbytes=None if big else nbytes, flops=2 * t * n * k if big else None,
-                   baseline=partial(F.linear, x, wd))
+            for variant, path in (("auto", "auto"), ("generic", "generic_auto")):
+                b.case(model, "nvfp4_linear", f"{name} {n}x{k}", t, variant,
+                       partial(nvfp4_linear_launch, x, w, path=path), nbytes=None if big else nbytes,
+                       flops=2 * t * n * k if big else None,
+                       baseline=partial(F.linear, x, wd) if variant == "auto" else None)
+
+
+def _lin(xmode: str, slots: int, bn: int, bk: int, w: int, st: int, split: int = 0) -> dict[str, Any]:
+    return {"xmode": xmode, "slots": slots, "block_n": bn, "block_k": bk, "warps": w, "stages": st,
+            "split_k": split}
+
+
+SWEEP_LINEAR = [  # (min T, max T, config) of `nvfp4_linear` (tuning/default.json "nvfp4_linear")
+    *[(1, 16, _lin("quad", 4, *c)) for c in ((16, 256, 2, 4), (32, 256, 2, 4), (32, 512, 2, 3), (64, 256, 4, 4),
+                                              (32, 128, 2, 6), (32, 256, 2, 4, 1), (64, 256, 4, 4, 1))],
+    *[(4, 256, _lin("split", 16, *c)) for c in ((64, 128, 4, 4), (32, 256, 2, 4), (128, 128, 8, 3))],
+    *[(32, 8192, _lin("split", sl, *c)) for sl, c in ((32, (128, 64, 8, 3)), (64, (128, 64, 8, 3)),
+                                                      (64, (128, 128, 8, 3)), (64, (64, 128, 4, 4)))],
+    *[(128, 8192, _lin("perm", sl, *c)) for sl, c in ((64, (128, 64, 8, 4)), (64, (128, 128, 8, 3)),
+                                                      (128, (128, 64, 8, 3)), (32, (128, 128, 8, 3)))],
+]
+
+
+def sweep_linear(b: Bench, model: str) -> dict[str, Any]:
+    """Time `nvfp4_linear` configurations per shape and token count, each checked against the reference;
+    returns the best per (shape, T) (for tuning/<device>.json)."""
+    best: dict[str, Any] = {}
+    for n, k, name in linear_shapes(model):
+        w = random_nvfp4(n, k)
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048):
+            x = torch.randn(t, k, device=DEV, dtype=BF16)
+            ref = nvfp4_linear_ref(x.float(), w)
+            for lo, hi, cfg in SWEEP_LINEAR:
+                if not lo <= t <= hi or b.out_of_time():
+                    continue
+                try:
+                    out = nvfp4_linear_launch(x, w, config=cfg)
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    ms, _ = b.time_ms(partial(nvfp4_linear_launch, x, w, config=cfg), reps=15)
+                except Exception as ex:
+                    print(f"sweep {name} T={t} {cfg}: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
+                    continue
+                bad = " BAD" if not err < 2e-2 else ""
+                print(f"sweep linear {name} T={t:5} {ms * 1e3:9.1f} us err {err:.1e}{bad} {cfg}", flush=True)
+                key = f"{name} T={t}"
+                if not bad and (key not in best or ms < best[key]["ms"]):
+                    best[key] = {"ms": ms, "config": cfg}
+    print("sweep linear best:", json.dumps(best, indent=1), flush=True)
+    return best
 
 
 def bench_attention(b: Bench, model: str, full: bool) -> None:
@@ -369,6 +420,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="122B only, few sizes")
     ap.add_argument("--full", action="store_true", help="every case (may exceed 6 minutes)")
     ap.add_argument("--sweep-moe", action="store_true", help="time MoE tile configurations (122B) instead")
+    ap.add_argument("--sweep-linear", action="store_true", help="time nvfp4_linear configurations (122B) instead")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining cases after this many seconds")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
@@ -377,8 +429,8 @@ def main() -> None:
     b = Bench(float("inf") if args.full else args.budget_s, args.reps)
     ceilings(b)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "ceilings": b.ceil}
-    if args.sweep_moe:
-        result["sweep"] = {"122B": sweep_moe(b, "122B")}
+    if args.sweep_moe or args.sweep_linear:
+        result["sweep"] = {"122B": sweep_moe(b, "122B") if args.sweep_moe else sweep_linear(b, "122B")}
     else:
         models = ("122B",) if args.quick else tuple(MODELS)
         decode = (1, 32) if args.quick else DECODE

@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import time
@@ -62,7 +63,6 @@ DN_PAIRS = [(f"dn:{mode}/{bn}x{bk}w{w}s{st}", {"dn_mode": mode, **_t(bn, bk, w, 
             (("fused", 16, 256, 1, 4), ("fused", 64, 256, 4, 4), ("fused", 32, 512, 2, 3), ("fused", 32, 128, 2, 6),
              ("reduce", 32, 256, 2, 4), ("token", 16, 256, 1, 4), ("token", 32, 256, 2, 4))]
 
-
 def _srt(xmode: str, bt: int, g: tuple, d: tuple) -> tuple[str, dict]:
     name = f"srt:{xmode}{bt}/gu{g[0]}x{g[1]}w{g[2]}s{g[3]}/dn{d[0]}x{d[1]}w{d[2]}s{d[3]}"
     return name, {"xmode": xmode, "block_t": bt, **_t(*g, "gu"), **_t(*d, "dn")}
@@ -86,8 +86,14 @@ PREFILL = [
 ]
 
 
-def variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
-    """sweep: False, True or a comma-separated list of the models to sweep."""
+def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tuple[str, str, dict]]:
+    """sweep: False, True or a comma-separated list of the models to sweep; only: a regular expression the
+    variant names must match (besides "auto")."""
+    out = _variants(model, t, sweep)
+    return [v for v in out if v[0] == "auto" or re.search(only, v[0])] if only else out
+
+
+def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
     out = [("auto", "auto", {})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs, seen = [], set()
     for model in models:
         for t in tokens:
-            for _name, path, cfg in variants(model, t, args.sweep):
+            for _name, path, cfg in variants(model, t, args.sweep, args.only):
                 key = (model, path, json.dumps(cfg, sort_keys=True), t if path == "auto" else t > 8)
                 if key not in seen:
                     seen.add(key)
@@ -212,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes = hit * per_expert + 2 * t * h * 2
             flops = 2 * t * k * 3 * inter * h
             ref = fused_moe_ref(x.float(), w, ids, layers[0])
-            for name, path, cfg in variants(model, t, args.sweep):
+            for name, path, cfg in variants(model, t, args.sweep, args.only):
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"{model} T={t} {name}: skipped (budget)", flush=True)
                     continue
@@ -299,6 +305,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,8,32,128,256,1024,2048")
     ap.add_argument("--sweep", nargs="?", const=True, default=False,
                     help="time the tile-configuration variants too (optionally only for these models, e.g. 122B,35B)")
+    ap.add_argument("--only", default="", help="regular expression: time only the variants it matches (and auto)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gemm-tflops", type=float, default=801.0, help="bf16 GEMM ceiling (measured 801 on H200)")

@@ -34,7 +34,7 @@ looping over the token's k experts in one flattened, pipelined loop, writing the
 from __future__ import annotations
 
 from nibble.kernels._triton import tl, triton
-from nibble.kernels.fp4_tiles import FP4_SCALE_SHIFT, fp4_decode4, x_split4
+from nibble.kernels.fp4_tiles import FP4_SCALE_SHIFT, w4_finish, w4_k_step, w4_tile
 
 _GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
 QUAD, PERM, SPLIT = 0, 1, 2
@@ -78,93 +78,6 @@ def _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED: tl.constexpr, SLOTS:
 
 
 @triton.jit
-def _b_quad(row_ptr, valid, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Quad-mode activation tile [BLOCK_K/4, N]: B[u, col] = A[row(col), k0 + 4u + col % 4]; row_ptr,
-    valid: [N] per column (token slot col // 4)."""
-    N: tl.constexpr = row_ptr.shape[0]
-    u = tl.arange(0, BLOCK_K // 4)
-    k = k0 + 4 * u[:, None] + (tl.arange(0, N) % 4)[None, :]
-    m = valid[None, :]
-    if not EVEN_K:
-        m = m & (k < n_k)
-    return tl.load(row_ptr[None, :] + k, mask=m, other=0.0)
-
-
-@triton.jit
-def _w_tile(q_rows, s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Packed unit tile [R, BLOCK_K/4] (int16) and its scales [R, BLOCK_K/16] (uint8) at K offset k0;
-    q_rows / s_rows: [R] row pointers (units / scale bytes)."""
-    u = tl.arange(0, BLOCK_K // 4)
-    g = tl.arange(0, BLOCK_K // 16)
-    if EVEN_K:
-        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :])
-        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :])
-    else:
-        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :], mask=(k0 // 4 + u < n_k // 4)[None, :], other=0)
-        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :], mask=(k0 // 16 + g < n_k // 16)[None, :], other=0)
-    return q, s
-
-
-@triton.jit
-def _dot(w, b, acc, DEC: tl.constexpr):
-    """acc += w @ b (b [K, N]); fp32 activations (DEC 0: tests, fp32 models) in exact fp32."""
-    if DEC == 0:
-        return tl.dot(w, b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(w, b, acc)
-
-
-@triton.jit
-def _k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, XMODE: tl.constexpr,
-            DEC: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step: decode the weight tile and accumulate it against the activations. b_ptr: [N] activation
-    row pointers per MMA column (quad) or per token (perm, split). Quad mode uses the four accumulators
-    (one per slice), the others only acc0. n_rows_perm: K / 4 (perm mode: distance between slices)."""
-    w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
-    if XMODE == 0:
-        b = _b_quad(b_ptr, valid, k0, n_k, BLOCK_K, EVEN_K)
-        acc0 = _dot(w0, b, acc0, DEC)
-        acc1 = _dot(w1, b, acc1, DEC)
-        acc2 = _dot(w2, b, acc2, DEC)
-        acc3 = _dot(w3, b, acc3, DEC)
-    elif XMODE == 1:
-        u = tl.arange(0, BLOCK_K // 4)
-        p = b_ptr[None, :] + (k0 // 4 + u)[:, None]
-        m = valid[None, :]
-        if not EVEN_K:
-            m = m & (k0 // 4 + u < n_k // 4)[:, None]
-        acc0 = _dot(w0, tl.load(p, mask=m, other=0.0), acc0, DEC)
-        acc0 = _dot(w1, tl.load(p + n_rows_perm, mask=m, other=0.0), acc0, DEC)
-        acc0 = _dot(w2, tl.load(p + 2 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
-        acc0 = _dot(w3, tl.load(p + 3 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        m = valid[:, None]
-        if not EVEN_K:
-            m = m & (kk < n_k)[None, :]
-        a0, a1, a2, a3 = x_split4(tl.load(b_ptr[:, None] + kk[None, :], mask=m, other=0.0))
-        acc0 = _dot(w0, tl.trans(a0), acc0, DEC)
-        acc0 = _dot(w1, tl.trans(a1), acc0, DEC)
-        acc0 = _dot(w2, tl.trans(a2), acc0, DEC)
-        acc0 = _dot(w3, tl.trans(a3), acc0, DEC)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _finish(acc0, acc1, acc2, acc3, XMODE: tl.constexpr):
-    """[M, N] accumulators -> [M, token slots]: quad mode picks column 4j + t of accumulator t."""
-    if XMODE == 0:
-        M: tl.constexpr = acc0.shape[0]
-        N: tl.constexpr = acc0.shape[1]
-        c = (tl.arange(0, N) % 4)[None, :]
-        acc = tl.where(c == 0, acc0, 0.0) + tl.where(c == 1, acc1, 0.0)
-        acc += tl.where(c == 2, acc2, 0.0) + tl.where(c == 3, acc3, 0.0)
-        return tl.sum(tl.reshape(acc, [M, N // 4, 4]), axis=2)
-    else:
-        return acc0
-
-
-@triton.jit
 def _act_col(n, inter, ACT_PERM: tl.constexpr):
     """Column of feature n in the activation buffer: natural, or permuted for a PERM-mode consumer."""
     if ACT_PERM:
@@ -201,10 +114,10 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        q, s = _w_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
-        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
+        q, s = w4_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
+        acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
-    h = _finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * _GSCALE)[:, None]
+    h = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * _GSCALE)[:, None]
     hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,10 +165,10 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        q, s = _w_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
-        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
+        q, s = w4_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
+        acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
-    acc = _finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
+    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
     pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     acc *= tl.load(topk_w_ptr + pr, mask=ok, other=0.0)[None, :]
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
@@ -311,10 +224,10 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
         e = tl.load(ids_ptr + pair)
         live = e >= 0
         e64 = tl.maximum(e, 0).to(tl.int64)
-        q, s = _w_tile(q_ptr + e64 * stride_qe + nc * stride_qn, s_ptr + e64 * stride_se + nc * stride_sn, k0,
+        q, s = w4_tile(q_ptr + e64 * stride_qe + nc * stride_qn, s_ptr + e64 * stride_se + nc * stride_sn, k0,
                        inter, BLOCK_K, EVEN_K)
         b_ptr = act_ptr + pair * stride_at + tl.zeros([16], tl.int64)
-        acc0, acc1, acc2, acc3 = _k_step(q, s, b_ptr, col0 & live, k0, inter, acc0, acc1, acc2, acc3, 0, 0, DEC,
+        acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, col0 & live, k0, inter, acc0, acc1, acc2, acc3, 0, 0, DEC,
                                          BLOCK_K, EVEN_K)
         # end of this expert's K: fold its global scale and routing weight in, restart the accumulators
         last = k0 + BLOCK_K >= inter

@@ -136,7 +136,11 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
         ),
         "silu_and_mul": pair("activation:silu_and_mul", "activation:silu_and_mul_ref"),
         "moe_combine": pair("activation:moe_combine", "activation:moe_combine_ref"),
-        "nvfp4_linear": pair("nvfp4_linear:nvfp4_linear", "nvfp4_linear:nvfp4_linear_ref"),
+        "nvfp4_linear": (
+            Backend("triton", k + "nvfp4_linear:nvfp4_linear", triton_check),
+            Backend("triton-generic", k + "nvfp4_linear:nvfp4_linear_generic", triton_check),
+            Backend("torch", k + "nvfp4_linear:nvfp4_linear_ref", always),
+        ),
     }
 
 

@@ -156,8 +156,14 @@ def main() -> int:
                                     config={**cfg, **mode})
         w = nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
-            for t, path, extra in ((1, "gemv", {}), (100, "gemm", {}), (100, "gemm", {"split_k": 3})):
-                attempt(f"nvfp4_linear {cfg}", nl.nvfp4_linear_launch, torch.randn(t, 3072, dtype=bf), w,
+            for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):
+                for dt in (bf, torch.float16):
+                    attempt(f"nvfp4_linear {cfg} {dt}", nl.nvfp4_linear_launch, torch.randn(t, 3072, dtype=dt), w,
+                            config={**cfg, **extra})
+        for cfg in configs("nvfp4_linear_generic"):
+            for t, path, extra in ((1, "generic_gemv", {}), (100, "generic_gemm", {}),
+                                   (100, "generic_gemm", {"split_k": 3})):
+                attempt(f"nvfp4_linear_generic {cfg}", nl.nvfp4_linear_launch, torch.randn(t, 3072, dtype=bf), w,
                         path=path, config={**cfg, **extra})
         seen = set()
         limit = SMEM_LIMIT_KB.get(cc, 99)

@@ -343,11 +343,17 @@ def test_fused_moe_cuda_graph_replay(t: int) -> None:
 
 @pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])
 def test_nvfp4_linear(n: int, k: int) -> None:
+    """The weight-stationary kernel in each token layout (incl. split-K and fp16 activations) and the
+    first-generation kernels."""
     w = random_nvfp4(n, k)
+    layouts = ({}, {"xmode": "quad", "split_k": 3}, {"xmode": "split", "slots": 16}, {"xmode": "perm", "slots": 64})
     for t in (1, 2, 16, 100, 4096):
-        x = torch.randn(t, k, device=DEV, dtype=BF16)
-        ref = nvfp4_linear_ref(x.float(), w)
-        for path in ("auto", "gemv") if t <= 2 else ("auto",):
+        for dtype in (BF16, torch.float16):
+            x = torch.randn(t, k, device=DEV, dtype=dtype)
+            ref = nvfp4_linear_ref(x.float(), w)
+            for cfg in layouts:
+                assert rel(nvfp4_linear_launch(x, w, config=cfg), ref) < TOL, (t, dtype, cfg)
+        for path in ("generic_auto", "generic_gemv") if t <= 2 else ("generic_auto",):
             assert rel(nvfp4_linear_launch(x, w, path=path), ref) < TOL, (t, path)
 
 
