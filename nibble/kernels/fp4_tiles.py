@@ -9,7 +9,9 @@ meet the even activations in one dot (or FMA) and the odd values the odd ones.
 
 from __future__ import annotations
 
-from nibble.kernels._triton import e4m3_to_f32, fp4_unpack, tl, triton
+import torch
+
+from nibble.kernels._triton import e4m3_to_f32, fp4_unpack, interpreting, tl, triton
 
 
 @triton.jit
@@ -100,6 +102,15 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # decode (DEC = 0), which computes the same values in fp32.
 
 FP4_SCALE_SHIFT = 8  # decoded weights carry a 2^-8 factor; the fp32 epilogue multiplies by 2^8 * global
+
+
+def decode_mode(dtype: torch.dtype) -> int:
+    """`fp4_decode4` variant (its DEC argument) for activations of `dtype`: inline-PTX bf16/fp16 on the GPU,
+    plain fp32 for fp32 activations and under the interpreter (which runs no PTX and computes 16-bit types
+    on raw bits anyway)."""
+    if interpreting() or dtype == torch.float32:
+        return 0
+    return 1 if dtype == torch.bfloat16 else 2
 
 
 def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:

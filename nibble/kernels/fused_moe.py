@@ -28,6 +28,7 @@ import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
+from nibble.kernels.fp4_tiles import decode_mode
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
@@ -36,6 +37,7 @@ from nibble.kernels.moe_w4 import (
     PERM,
     QUAD,
     SPLIT,
+    XMODES,
     moe_w4_down_kernel,
     moe_w4_down_token_kernel,
     moe_w4_gate_up_kernel,
@@ -126,14 +128,6 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-def _decode_mode(dtype: torch.dtype) -> int:
-    """`fp4_decode4` variant: inline-PTX bf16/fp16 on the GPU, plain fp32 for fp32 activations and under the
-    interpreter (which runs no PTX and computes 16-bit types on raw bits anyway)."""
-    if interpreting() or dtype == torch.float32:
-        return 0
-    return 1 if dtype == torch.bfloat16 else 2
-
-
 def _units(q: torch.Tensor, st: tuple[int, int, int, int]) -> tuple[torch.Tensor, int, int]:
     """Packed FP4 bytes [E, N, K/2] viewed as int16 units of 4 codes, with strides in units."""
     if q.stride(0) % 2 or q.stride(1) % 2 or q.storage_offset() % 2 or q.shape[-1] % 2:
@@ -143,7 +137,6 @@ def _units(q: torch.Tensor, st: tuple[int, int, int, int]) -> tuple[torch.Tensor
 
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
 def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
@@ -167,7 +160,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     q2, s2, g2, st2 = w2
     u13, sq13e, sq13n = _units(q13, st13)
     u2, sq2e, sq2n = _units(q2, st2)
-    dec = _decode_mode(x.dtype)
+    dec = decode_mode(x.dtype)
     gbn, gbk = cfg["gu_block_n"], cfg["gu_block_k"]
     dbn, dbk = cfg["dn_block_n"], cfg["dn_block_k"]
     gkw = {"num_warps": cfg["gu_warps"], "num_stages": cfg["gu_stages"]}

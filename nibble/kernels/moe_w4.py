@@ -38,6 +38,7 @@ from nibble.kernels.fp4_tiles import FP4_SCALE_SHIFT, w4_finish, w4_k_step, w4_t
 
 _GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
 QUAD, PERM, SPLIT = 0, 1, 2
+XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
 @triton.jit

@@ -21,6 +21,7 @@ from nibble.formats.nvfp4 import NVFP4Tensor, dequantize
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, sm_count, tl, triton
 from nibble.kernels.fp4_tiles import (
     FP4_SCALE_SHIFT,
+    decode_mode,
     fp4_gemv_tile,
     fp4_tile_kn,
     w4_finish,
@@ -28,7 +29,7 @@ from nibble.kernels.fp4_tiles import (
     w4_tile,
     x_even_odd,
 )
-from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, permute4_kernel
+from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES, permute4_kernel
 from nibble.kernels.tuning_tables import lookup
 
 
@@ -44,7 +45,6 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 _GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
-XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
 @triton.jit
@@ -208,7 +208,10 @@ def nvfp4_linear_launch(x: torch.Tensor, w: NVFP4Tensor, *, path: str = "auto",
 def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any]) -> None:
     t, k = x.shape
     n = w.packed.shape[0]
-    q = w.packed.view(torch.int16) if w.packed.stride(0) % 2 == 0 else w.packed.contiguous().view(torch.int16)
+    q = w.packed
+    if q.stride(0) % 2 or q.storage_offset() % 2:  # int16 units need 2-byte aligned rows
+        q = q.contiguous()
+    q = q.view(torch.int16)
     s8 = w.block_scale.view(torch.uint8)
     xmode = XMODES[cfg["xmode"]]
     if xmode == PERM and k % 4:
@@ -224,7 +227,7 @@ def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any])
         sms = sm_count(x.device)
         want = 1 if tiles >= sms else max(1, min(cdiv(4 * sms, tiles), k // (2 * bk), 16))
     split, chunk = _split_k(k, bk, want)
-    dec = 0 if interpreting() or x.dtype == torch.float32 else 1 if x.dtype == torch.bfloat16 else 2
+    dec = decode_mode(x.dtype)
     warps, stages = cfg["warps"], cfg["stages"]
     if dec == 0 and not interpreting():
         bk, stages = min(bk, 64), 2  # fp32 activations: the 16-bit tiles of the tables would spill
