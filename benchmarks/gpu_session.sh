@@ -59,6 +59,7 @@ stage_ncu1() {  # the T = 1 and T = 32 expert kernels in detail: stall reasons, 
       python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
   done
 }
+stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv" -p no:cacheprovider -rf; }
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_std() { run kernels_std 400 python3 benchmarks/kernels.py --budget-s 370 --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_full() { run kernels_full 480 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }

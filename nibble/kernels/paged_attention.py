@@ -64,6 +64,12 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)
     cdt = q.dtype
+    if KV_FP8 and FP8_NATIVE and cdt == tl.bfloat16:
+        # FP8 cache: the dots run in fp16, into which e4m3 converts in one instruction per pair (bf16 takes
+        # a detour through fp32); e4m3 values and the probabilities are exact or finer in fp16, and q has
+        # 3 more mantissa bits than in bf16 (it overflows only beyond 65504, far outside normed queries)
+        cdt = tl.float16
+        q = q.to(cdt)
 
     kv_end = tl.minimum(seq_len, ctx + qb * BLOCK_Q + BLOCK_Q)
     if SPLIT:
