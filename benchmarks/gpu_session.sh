@@ -38,7 +38,7 @@ stage_versions() {
 stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
-stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 330 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
   run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \
@@ -60,6 +60,7 @@ stage_ncu1() {  # the T = 1 and T = 32 expert kernels in detail: stall reasons, 
   done
 }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv" -p no:cacheprovider -rf; }
+stage_routelin() { NIBBLE_TEST_GPU=1 run routelin 280 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "route or nvfp4_linear or select" -p no:cacheprovider -rf --tb=short; }
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_std() { run kernels_std 400 python3 benchmarks/kernels.py --budget-s 370 --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_full() { run kernels_full 480 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }

@@ -260,11 +260,16 @@ def test_fused_elementwise_on_projection_views(t: int) -> None:
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_route(name: str) -> None:
+    """Same experts as torch's softmax + topk, except where two probabilities round to (nearly) the same fp32
+    value: with 3000 x 512 random logits such near-ties occur in about every other run, and either choice is
+    right. So the chosen experts' logits must agree, and the ids wherever the choice is not a near-tie."""
     c = config(name)
     logits = torch.randn(3000, c.num_experts, device=DEV)
     w, ids = route(logits, c.num_experts_per_tok)
     w_ref, ids_ref = route_ref(logits, c.num_experts_per_tok)
-    assert torch.equal(ids, ids_ref) and rel(w, w_ref) < 1e-5
+    picked, picked_ref = logits.gather(1, ids.long()), logits.gather(1, ids_ref.long())
+    assert torch.allclose(picked, picked_ref, rtol=0, atol=1e-5)
+    assert int((ids != ids_ref).sum()) <= 4 and rel(w, w_ref) < 1e-5
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
