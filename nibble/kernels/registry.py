@@ -188,11 +188,17 @@ class SelectionReport:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def _expand_forced(forced: Mapping[str, str] | None) -> dict[str, str]:
+def _expand_forced(forced: Mapping[str, str] | None, table: Mapping[str, tuple[Backend, ...]]) -> dict[str, str]:
+    """op -> forced backend. A group forces the ops of the group that have a backend of that name (e.g.
+    `triton-generic` exists for fused_moe but not for route), and is an error if none has."""
     out: dict[str, str] = {}
     for key, backend in (forced or {}).items():
         if key in OP_GROUPS:
-            for op in OP_GROUPS[key]:
+            ops = [op for op in OP_GROUPS[key] if any(b.name == backend for b in table.get(op, ()))]
+            if not ops:
+                have = sorted({b.name for op in OP_GROUPS[key] for b in table.get(op, ())})
+                raise KernelSelectionError(f"{key}: no backend {backend!r} (have {', '.join(have)})")
+            for op in ops:
                 out[op] = backend
         elif key in OP_NAMES:
             out[key] = backend
@@ -231,7 +237,7 @@ def select_kernels(model_config: ModelConfig, device: torch.device | str, dtype:
     kv_cache_dtype = kv_cache_dtype or dtype
     platform = Platform(device, dtype, kv_cache_dtype, allow_interpreter)
     table = dict(backends) if backends is not None else default_backends()
-    force = _expand_forced(forced)
+    force = _expand_forced(forced, table)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 62)))
     ctx = SelfTestContext(model_config, device, dtype, kv_cache_dtype, block_size, gen)

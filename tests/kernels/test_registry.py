@@ -88,8 +88,18 @@ def test_forced_group_and_unknown_names(config: ModelConfig) -> None:
     assert kernels.backend_names["route"] == kernels.backend_names["fused_moe"] == "torch"
     with pytest.raises(KernelSelectionError, match="unknown op"):
         select_kernels(config, "cpu", torch.float32, forced={"mlp": "torch"})
-    with pytest.raises(KernelSelectionError, match="no backend"):
+    with pytest.raises(KernelSelectionError, match="no backend 'cutlass'"):
         select_kernels(config, "cpu", torch.float32, forced={"moe": "cutlass"})
+
+
+def test_forced_group_backend_some_ops_lack(config: ModelConfig) -> None:
+    """`--moe-backend triton-generic`: fused_moe has that backend, route does not and keeps its own choice."""
+    _, report = select_kernels(config, "cpu", torch.float32, forced={"moe": "triton-generic", "linear": "torch"},
+                               self_test=False, allow_interpreter=True)
+    assert report.selected["fused_moe"] == "triton-generic"
+    assert report.selected["route"] in ("triton", "torch")
+    with pytest.raises(KernelSelectionError, match="no backend 'triton-generic'"):
+        select_kernels(config, "cpu", torch.float32, forced={"route": "triton-generic"})
 
 
 def test_report_renders(config: ModelConfig) -> None:
