@@ -218,20 +218,19 @@ def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any])
         xmode = SPLIT
     # the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise
     slots = max(cfg["slots"], 4 if xmode == QUAD else 16)
-    bn, bk = cfg["block_n"], cfg["block_k"]
+    bn, table_bk = cfg["block_n"], cfg["block_k"]
     tiles = cdiv(t, slots) * cdiv(n, bn)
     want = cfg.get("split_k", 0)
     if not want:
         # automatic: split K only when the output tiles alone leave SMs idle (measured on H200: 6 splits
         # take the 3072 x 8192 decode GEMV from 22.4 to 15.5 us; 2 splits slow 16384 x 3072 down by 19%)
         sms = sm_count(x.device)
-        want = 1 if tiles >= sms else max(1, min(cdiv(4 * sms, tiles), k // (2 * bk), 16))
-    split, chunk = _split_k(k, bk, want)
+        want = 1 if tiles >= sms else max(1, min(cdiv(4 * sms, tiles), k // (2 * table_bk), 16))
     dec = decode_mode(x.dtype)
-    warps, stages = cfg["warps"], cfg["stages"]
+    bk, warps, stages = table_bk, cfg["warps"], cfg["stages"]
     if dec == 0 and not interpreting():
         bk, stages = min(bk, 64), 2  # fp32 activations: the 16-bit tiles of the tables would spill
-        split, chunk = _split_k(k, bk, want)
+    split, chunk = _split_k(k, bk, want)
     xs = x
     if xmode == PERM:
         xs = torch.empty_like(x)
