@@ -94,7 +94,7 @@ def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tupl
 
 
 def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
-    out = [("auto", "auto", {})]
+    out = [("auto", "auto", {}), ("auto:shift-decode", "auto", {"cvt_decode": False})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
         return out

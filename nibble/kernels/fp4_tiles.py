@@ -100,16 +100,26 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # stride-4 slice of the real K; `x_split4` cuts the activation tile the same way. Inline PTX runs only on
 # the GPU (sm_80+: fma.rn.bf16x2 needs Ampere); the interpreter and fp32 activations take the pure-Triton
 # decode (DEC = 0), which computes the same values in fp32.
+#
+# On sm_89+ DEC 3 leaves most of the work to the hardware e4m3 -> f16x2 converter (`_decode_cvt_asm`): a
+# byte permute and shift+mask turn each code into an e4m3 byte, one conversion decodes two: about 2 ops per
+# weight including the scale multiply. The MMA then runs in fp16, so bf16 activations are staged as
+# fp16 * 2^-F16_X_SHIFT (`moe_w4.stage_x`): finite up to ~1e6 (beyond, they saturate), 11 significant bits
+# from 2^-10 up (bf16 has 8), an absolute resolution of 2^-20 below.
 
-FP4_SCALE_SHIFT = 8  # decoded weights carry a 2^-8 factor; the fp32 epilogue multiplies by 2^8 * global
+
+F16_X_SHIFT = 4  # DEC 3 with bf16 activations: they are staged as fp16 * 2^-4 (finite up to ~1e6)
 
 
-def decode_mode(dtype: torch.dtype) -> int:
-    """`fp4_decode4` variant (its DEC argument) for activations of `dtype`: inline-PTX bf16/fp16 on the GPU,
-    plain fp32 for fp32 activations and under the interpreter (which runs no PTX and computes 16-bit types
-    on raw bits anyway)."""
+def decode_mode(dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """`fp4_decode4` variant (its DEC argument) for activations of `dtype`: plain fp32 for fp32 activations
+    and under the interpreter (which runs no PTX and computes 16-bit types on raw bits anyway); inline-PTX
+    bf16/fp16 on the GPU; with `device` given and an sm_89+ GPU, the e4m3-converter decode (DEC 3, fp16
+    tiles: the caller stages bf16 activations as fp16, see F16_X_SHIFT)."""
     if interpreting() or dtype == torch.float32:
         return 0
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return 3
     return 1 if dtype == torch.bfloat16 else 2
 
 
@@ -127,8 +137,37 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
     return "\n".join([*lines, "}"])
 
 
+def _decode_cvt_asm() -> str:
+    """PTX (sm_89+) for the same 4 outputs as `_decode_asm`, in fp16, through the e4m3 -> f16x2 converter:
+    a byte permute gathers the codes of each output pair 8 bits apart ([b0, b2, b1, b3]: low nibbles hold
+    codes 0 and 2, high nibbles codes 1 and 3), shift+mask turns every nibble into an e4m3 byte (magnitude
+    to bits 2..4, the bottom of the exponent, sign to bit 7: e2m1 * 2^-6 exactly, subnormal codes
+    included), and one `cvt.rn.f16x2.e4m3x2` decodes each pair. $5: the fp16 block scale pair; the outputs
+    are e2m1 * scale * 2^-6 (exact, as in `_decode_asm`)."""
+    lines = ["{", ".reg .b32 p, a, b, e, o, r;", ".reg .b16 l, h;", "prmt.b32 p, $4, $4, 0x3120;",
+             "shl.b32 a, p, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, p, 4;", "and.b32 b, b, 0x80808080;",
+             "or.b32 e, a, b;", "shr.b32 a, p, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, p, 0x80808080;",
+             "or.b32 o, a, b;"]
+    for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
+        lines.append(f"mov.b32 {{l, h}}, {word};")
+        for half, t in (("l", t_lo), ("h", t_hi)):
+            lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
+    return "\n".join([*lines, "}"])
+
+
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None
 DECODE_F16 = tl.constexpr(_decode_asm(9, 0x0E000E00, "f16x2")) if tl is not None else None
+DECODE_F16_CVT = tl.constexpr(_decode_cvt_asm()) if tl is not None else None
+
+
+@triton.jit
+def fp4_acc_scale(DEC: tl.constexpr, X_SHIFT: tl.constexpr):
+    """What fp32 accumulators of `fp4_decode4` tiles are multiplied by (with the global scale): the
+    decode's 2^8 (2^6 for DEC 3) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
+    if DEC == 3:
+        return 64.0 * (1 << X_SHIFT)
+    else:
+        return 256.0 * (1 << X_SHIFT)
 
 
 @triton.jit
@@ -158,7 +197,7 @@ def fp4_decode4(q, s, DEC: tl.constexpr):
     """Decode a unit tile. q: int16 [..., R, U] (U a multiple of 4; 2-D or 3-D); s: uint8 e4m3 block
     scales [..., R, U // 4]. Returns (w0, w1, w2, w3), each shaped like q, w_t[.., r, u] =
     e2m1(code 4u + t) * scale[.., r, u // 4] * 2^-8, in bf16 (DEC 1, inline PTX), fp16 (DEC 2, inline PTX)
-    or fp32 (DEC 0, plain Triton)."""
+    or fp32 (DEC 0, plain Triton); DEC 3: fp16 through the e4m3 converter (sm_89+), times 2^-6."""
     if DEC == 1:
         sc = _expand_scale(_e4m3_times(s, 2.0 ** (118 + 8)).to(tl.bfloat16), q)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [q, sc],
@@ -167,6 +206,11 @@ def fp4_decode4(q, s, DEC: tl.constexpr):
     elif DEC == 2:
         sc = _expand_scale(_e4m3_times(s, 2.0 ** (6 + 8)).to(tl.float16), q)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16, "=r,=r,=r,=r,r,r", [q, sc],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    elif DEC == 3:
+        sc = _expand_scale(s.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT, "=r,=r,=r,=r,r,r", [q, sc],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     else:

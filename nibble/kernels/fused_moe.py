@@ -1,7 +1,7 @@
 """Fused MoE experts (Triton): NVFP4 (W4A16) or 16/32-bit expert weights; the contract and the torch
 reference are `moe.fused_moe_ref` (expert id -1 = a slot of another expert-parallel rank, skipped).
 
-Two paths, picked per call from the token count (tuning tables `fused_moe` for NVFP4 experts,
+Two paths, picked per call from the token count and pairs per expert (tuning tables `fused_moe` for NVFP4 experts,
 `fused_moe_dense` otherwise; host ints only, no sync, a fixed grid per T: CUDA-graph safe):
 - `gemv` (small decode batches): one block per (token, expert) pair, no sorting launch;
 - `sorted` (larger batches, prefill): pairs sorted by expert (moe_align.py) into blocks of one expert.
@@ -28,7 +28,7 @@ import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
-from nibble.kernels.fp4_tiles import decode_mode
+from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
@@ -41,7 +41,7 @@ from nibble.kernels.moe_w4 import (
     moe_w4_down_kernel,
     moe_w4_down_token_kernel,
     moe_w4_gate_up_kernel,
-    permute4_kernel,
+    stage_x,
 )
 from nibble.kernels.tuning_tables import lookup
 
@@ -112,7 +112,8 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         return out
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
-    key = {"tokens": t, "fp4": fp4, "hidden": h, "inter": inter, "experts": e, "top_k": top_k}
+    key = {"tokens": t, "fp4": fp4, "hidden": h, "inter": inter, "experts": e, "top_k": top_k,
+           "pairs_per_expert": t * top_k / e}
     generic = path.startswith("generic_") or not fp4
     cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
     cfg.update(config or {})
@@ -160,7 +161,11 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     q2, s2, g2, st2 = w2
     u13, sq13e, sq13n = _units(q13, st13)
     u2, sq2e, sq2n = _units(q2, st2)
-    dec = decode_mode(x.dtype)
+    dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
+    # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
+    # the same way), the kernels' epilogues multiply the shift back
+    adt = torch.float16 if dec == 3 else x.dtype
+    xsh = F16_X_SHIFT if adt != x.dtype else 0
     gbn, gbk = cfg["gu_block_n"], cfg["gu_block_k"]
     dbn, dbk = cfg["dn_block_n"], cfg["dn_block_k"]
     gkw = {"num_warps": cfg["gu_warps"], "num_stages": cfg["gu_stages"]}
@@ -171,19 +176,21 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw["num_stages"] = dkw["num_stages"] = 2
     if path == "gemv":
         # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
-        act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+        act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         flat = ids.view(-1)
         xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
         slots = 4 if xmode == QUAD else 16
+        xs = x if adt == x.dtype else stage_x(x, adt, xsh, permute=False)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
-            x, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, x.stride(0), sq13e, sq13n,
+            xs, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
-            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
+            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw)
         mode = cfg["dn_mode"]
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
-                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_N=dbn, BLOCK_K=dbk, **dkw)
+                out.stride(0), TOP_K=top_k, DEC=dec, EVEN_K=inter % dbk == 0, BLOCK_N=dbn, BLOCK_K=dbk, X_SHIFT=xsh,
+                **dkw)
             return
         tiles = cdiv(h, dbn)
         sem = _semaphores(x.device, t * tiles) if mode == "fused" else None
@@ -192,7 +199,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), **dkw)
+            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, **dkw)
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4)
@@ -203,9 +210,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     # the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise
     slots = max(cfg["block_t"], 4 if xmode == QUAD else 16)
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
-    act = torch.empty((chunk * top_k, inter), dtype=x.dtype, device=x.device)
+    act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
-    xp = torch.empty((chunk, h), dtype=x.dtype, device=x.device) if xmode == PERM else None
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
@@ -213,19 +219,17 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
         flat = ids_c.view(-1)
         xs = x[c0:c1]
-        if xp is not None:
-            blk_u = 256
-            permute4_kernel[(c1 - c0, cdiv(h // 4, blk_u))](xs, xp, h, xs.stride(0), xp.stride(0), BLOCK=blk_u,
-                                                            num_warps=4)
-            xs = xp
+        if xmode == PERM or adt != x.dtype:
+            xs = stage_x(xs, adt, xsh, permute=xmode == PERM)
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
             act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,
-            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, **gkw)
+            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw)
         moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
             act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
             y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
-            EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn, BLOCK_K=dbk, ON_GPU=not interpreting(), **dkw)
+            EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn, BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh,
+            **dkw)
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4)
 

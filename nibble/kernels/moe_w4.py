@@ -33,10 +33,11 @@ looping over the token's k experts in one flattened, pipelined loop, writing the
 
 from __future__ import annotations
 
-from nibble.kernels._triton import tl, triton
-from nibble.kernels.fp4_tiles import FP4_SCALE_SHIFT, w4_finish, w4_k_step, w4_tile
+import torch
 
-_GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
+from nibble.kernels._triton import cdiv, tl, triton
+from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_tile
+
 QUAD, PERM, SPLIT = 0, 1, 2
 XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
@@ -92,11 +93,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
                           count_ptr, top_k, hidden, inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn,
                           stride_at, SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
-    act: [pairs, I] (ACT_PERM: permuted rows)."""
+    act: [pairs, I] (ACT_PERM: permuted rows). X_SHIFT: x holds activations * 2^-X_SHIFT, and act is
+    written the same way (fp16 staging of bf16 activations, see `stage_x`)."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
@@ -118,9 +120,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
         q, s = w4_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
-    h = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * _GSCALE)[:, None]
+    acc_scale = fp4_acc_scale(DEC, X_SHIFT)
+    h = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * acc_scale)[:, None]
     hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
+    if X_SHIFT != 0:
+        act = _f16_range(act * (1.0 / (1 << X_SHIFT)))
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
@@ -132,7 +137,8 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                        block_expert_ptr, start_ptr, count_ptr, hidden, inter, stride_at, stride_qe, stride_qn,
                        stride_se, stride_sn, stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
-                       SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr):
+                       SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
+                       X_SHIFT: tl.constexpr = 0):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
     (w2 as units [E, H, I/4], scales [E, H, I/16], global [E, H]); y: fp32 or activation dtype [pairs, H].
 
@@ -169,7 +175,8 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
         q, s = w4_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
-    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * _GSCALE)[:, None]
+    acc_scale = fp4_acc_scale(DEC, X_SHIFT)
+    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * acc_scale)[:, None]
     pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     acc *= tl.load(topk_w_ptr + pr, mask=ok, other=0.0)[None, :]
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
@@ -204,7 +211,7 @@ def _fence_gpu():
 def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, topk_w_ptr, hidden, inter, stride_at,
                              stride_qe, stride_qn, stride_se, stride_sn, stride_ot, TOP_K: tl.constexpr,
                              DEC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0):
     """out[t, n] = sum_j topk_w[t, j] * (act[t*k + j] . w2[ids[t, j], n]), j in order (deterministic), for
     BLOCK_N hidden features, quad mode. One loop over (j, K slice) so the copies stay pipelined across
     experts; the expert's scales are folded into a running total at the end of its K range."""
@@ -213,6 +220,7 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
     nc = tl.minimum(n, hidden - 1).to(tl.int64)
     col0 = tl.arange(0, 16) < 4  # one token slot: columns 0..3
     n_iter = tl.cdiv(inter, BLOCK_K)
+    acc_scale = fp4_acc_scale(DEC, X_SHIFT)
     acc0 = tl.zeros([BLOCK_N, 16], tl.float32)
     acc1 = tl.zeros([BLOCK_N, 16], tl.float32)
     acc2 = tl.zeros([BLOCK_N, 16], tl.float32)
@@ -232,7 +240,7 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
                                          BLOCK_K, EVEN_K)
         # end of this expert's K: fold its global scale and routing weight in, restart the accumulators
         last = k0 + BLOCK_K >= inter
-        coef = tl.load(g_ptr + e64 * hidden + nc) * (tl.load(topk_w_ptr + pair) * _GSCALE)
+        coef = tl.load(g_ptr + e64 * hidden + nc) * (tl.load(topk_w_ptr + pair) * acc_scale)
         coef = tl.where(live & last, coef, 0.0)
         c = (tl.arange(0, 16) % 4)[None, :]
         sel = tl.where(c == 0, acc0, 0.0) + tl.where(c == 1, acc1, 0.0)
@@ -247,11 +255,39 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
 
 
 @triton.jit
-def permute4_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, BLOCK: tl.constexpr):
-    """out[m, t * K/4 + u] = x[m, 4u + t]: activations in the slice order of `fp4_decode4` (PERM mode)."""
+def _f16_range(v):
+    """Clamp to the finite fp16 range (staged activations saturate instead of turning into inf)."""
+    return tl.minimum(tl.maximum(v, -65504.0), 65504.0)
+
+
+@triton.jit
+def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.constexpr, PERMUTE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
+    order of `fp4_decode4`, PERM mode), else c(k) = k."""
     m = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     t = tl.arange(0, 4)
     mask = (u < n_k // 4)[:, None]
     v = tl.load(x_ptr + m * stride_xt + 4 * u[:, None] + t[None, :], mask=mask)
-    tl.store(out_ptr + m * stride_ot + t[None, :] * (n_k // 4) + u[:, None], v, mask=mask)
+    if X_SHIFT != 0:
+        v = _f16_range(v.to(tl.float32) * (1.0 / (1 << X_SHIFT)))
+    if PERMUTE:
+        col = t[None, :] * (n_k // 4) + u[:, None]
+    else:
+        col = 4 * u[:, None] + t[None, :]
+    tl.store(out_ptr + m * stride_ot + col, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool) -> torch.Tensor:
+    """x [T, K] -> a new [T, K] tensor of `dtype` holding x * 2^-x_shift, columns in `fp4_decode4`'s slice
+    order if permute (K a multiple of 4)."""
+    t, k = x.shape
+    if k % 4:
+        raise ValueError(f"stage_x: K = {k} is not a multiple of 4")
+    out = torch.empty((t, k), dtype=dtype, device=x.device)
+    if t:
+        block = 256
+        stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
+                                                 PERMUTE=permute, BLOCK=block, num_warps=4)
+    return out

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from nibble.formats.nvfp4 import NVFP4Tensor, dequantize
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, sm_count, tl, triton
 from nibble.kernels.fp4_tiles import (
-    FP4_SCALE_SHIFT,
     decode_mode,
+    fp4_acc_scale,
     fp4_gemv_tile,
     fp4_tile_kn,
     w4_finish,
@@ -29,7 +29,7 @@ from nibble.kernels.fp4_tiles import (
     w4_tile,
     x_even_odd,
 )
-from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES, permute4_kernel
+from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES, stage_x
 from nibble.kernels.tuning_tables import lookup
 
 
@@ -44,7 +44,6 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-_GSCALE = tl.constexpr(float(2 ** FP4_SCALE_SHIFT)) if tl is not None else None
 
 
 @triton.jit
@@ -54,7 +53,7 @@ def _w4_linear_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """out[t, n] = (x[t] . W[n]) * g[n] for the SLOTS tokens of block program_id(0) and BLOCK_N features.
     q: W as int16 units [N, K/4]; s: e4m3 block scales as uint8 [N, K/16]; g: fp32 [N]; x: [T, K] (perm
-    mode: rows permuted by `permute4_kernel`). SPLIT_K: program (block, slice, z) covers K range
+    mode: rows permuted by `stage_x`). SPLIT_K: program (block, slice, z) covers K range
     [z * k_chunk, (z + 1) * k_chunk) (chunk_units = k_chunk / 4, chunk_groups = k_chunk / 16, passed as such
     so their alignment is known) and writes fp32 partials ws[z, t, n]."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
@@ -80,7 +79,7 @@ def _w4_linear_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out,
         q, s = w4_tile(q_rows, s_rows, k0, n_kz, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, n_kz, acc0, acc1, acc2, acc3, n_k // 4, XMODE,
                                            DEC, BLOCK_K, EVEN_K)
-    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + nc) * _GSCALE)[:, None]
+    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + nc) * fp4_acc_scale(DEC, 0))[:, None]
     t = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
     mask = (n < n_out)[:, None] & (t < n_tok)[None, :]
     if SPLIT_K > 1:
@@ -233,8 +232,7 @@ def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any])
     split, chunk = _split_k(k, bk, want)
     xs = x
     if xmode == PERM:
-        xs = torch.empty_like(x)
-        permute4_kernel[(t, cdiv(k // 4, 256))](x, xs, k, x.stride(0), xs.stride(0), BLOCK=256, num_warps=4)
+        xs = stage_x(x, x.dtype, 0, permute=True)
     ws = torch.empty((split, t, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _w4_linear_kernel[(cdiv(t, slots), cdiv(n, bn), split)](
         xs, q, s8, w.global_scale, out, ws, t, n, k, chunk, chunk // 4, chunk // 16, xs.stride(0), q.stride(0),

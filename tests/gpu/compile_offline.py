@@ -149,11 +149,13 @@ def main() -> int:
         for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
             for cfg in configs(op):
                 for mode in modes if experts is w4 else [{}]:
-                    for dt in dtypes:
+                    # the e4m3-converter decode (DEC 3) is what sm_89+ GPUs pick; a CPU tensor here gets DEC 1/2
+                    decs = [{}, {"dec": 3}] if experts is w4 and cc >= 89 else [{}]
+                    for dt, dec in ((dt, dec) for dt in dtypes for dec in decs):
                         for path, t in (("gemv", 2), ("sorted", 40)):
-                            attempt(f"{op} {path} {cfg} {mode} {dt}", fm.fused_moe_launch, torch.randn(t, h, dtype=dt),
-                                    torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32), experts, path=path,
-                                    config={**cfg, **mode})
+                            attempt(f"{op} {path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
+                                    torch.randn(t, h, dtype=dt), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32),
+                                    experts, path=path, config={**cfg, **mode, **dec})
         w = nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):

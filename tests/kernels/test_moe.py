@@ -13,6 +13,7 @@ from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.moe_align import moe_align, moe_align_ref
 from nibble.kernels.moe_route import route
+from nibble.kernels.moe_w4 import stage_x
 
 E, H, I, K = 6, 64, 48, 3
 
@@ -133,3 +134,19 @@ def test_fused_moe_rejects_bad_shapes() -> None:
         fused_moe_launch(torch.randn(2, H + 16), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts)
     with pytest.raises(ValueError):
         fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int64), experts)
+
+
+@pytest.mark.parametrize("permute", [True, False])
+def test_stage_x(permute: bool) -> None:
+    """fp16 staging of activations (the e4m3-converter decode's MMA input): x * 2^-shift in fp16, values
+    past the fp16 range saturating, columns in the stride-4 slice order on request; K off the block size."""
+    t, k, shift = 3, 4 * 70, 4
+    x = torch.randn(t, k, dtype=torch.bfloat16) * 100
+    x[0, 5] = 3e6  # beyond 65504 * 2^4: saturates instead of becoming inf
+    x[1, 6] = -2e5  # beyond fp16, within the staged range
+    out = stage_x(x[:, :k], torch.float16, shift, permute)
+    ref = (x.float() / 2 ** shift).clamp(-65504, 65504).to(torch.float16)
+    if permute:
+        ref = ref.view(t, k // 4, 4).transpose(1, 2).reshape(t, k)
+    assert torch.equal(out, ref)
+    assert torch.equal(stage_x(x, torch.bfloat16, 0, False), x)
