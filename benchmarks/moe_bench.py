@@ -58,10 +58,12 @@ def _t(bn: int, bk: int, w: int, st: int, pre: str) -> dict:
 # pairs mode, quad: gate_up variants with the reference down, then down variants with the reference gate_up
 GU_REF, DN_REF = {"xmode": "quad", **_t(16, 256, 2, 4, "gu")}, {"dn_mode": "fused", **_t(32, 256, 2, 4, "dn")}
 GU_PAIRS = [(f"gu:{bn}x{bk}w{w}s{st}", _t(bn, bk, w, st, "gu")) for bn, bk, w, st in
-            ((16, 256, 2, 4), (16, 512, 2, 3), (16, 128, 2, 6), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4))]
+            ((16, 256, 2, 4), (16, 512, 2, 3), (16, 128, 2, 6), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4),
+             (32, 256, 4, 6), (64, 256, 8, 4), (32, 128, 4, 6), (32, 128, 4, 8))]
 DN_PAIRS = [(f"dn:{mode}/{bn}x{bk}w{w}s{st}", {"dn_mode": mode, **_t(bn, bk, w, st, "dn")}) for mode, bn, bk, w, st in
             (("fused", 16, 256, 1, 4), ("fused", 64, 256, 4, 4), ("fused", 32, 512, 2, 3), ("fused", 32, 128, 2, 6),
-             ("reduce", 32, 256, 2, 4), ("token", 16, 256, 1, 4), ("token", 32, 256, 2, 4))]
+             ("reduce", 32, 256, 2, 4), ("token", 16, 256, 1, 4), ("token", 32, 256, 2, 4), ("fused", 64, 512, 4, 3),
+             ("reduce", 64, 256, 4, 4), ("fused", 128, 256, 8, 4), ("fused", 64, 128, 4, 6), ("reduce", 64, 128, 4, 8))]
 
 def _srt(xmode: str, bt: int, g: tuple, d: tuple) -> tuple[str, dict]:
     name = f"srt:{xmode}{bt}/gu{g[0]}x{g[1]}w{g[2]}s{g[3]}/dn{d[0]}x{d[1]}w{d[2]}s{d[3]}"
@@ -74,6 +76,13 @@ SORTED = [
     _srt("quad", 4, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("quad", 4, (16, 256, 2, 4), (32, 512, 2, 3)),
     _srt("quad", 8, (32, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("quad", 4, (32, 512, 4, 3), (64, 512, 4, 3)),
+    _srt("quad", 4, (32, 256, 4, 6), (64, 256, 4, 6)),
+    _srt("quad", 4, (64, 256, 8, 4), (128, 256, 8, 4)),
+    _srt("quad", 8, (64, 256, 8, 4), (128, 256, 8, 4)),
+    _srt("quad", 4, (32, 128, 4, 6), (64, 128, 4, 6)),
+    _srt("quad", 4, (32, 128, 4, 8), (64, 128, 4, 8)),
+    _srt("quad", 4, (32, 256, 4, 4), (64, 128, 4, 6)),
     _srt("split", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("perm", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nibble.kernels._triton import e4m3_to_f32, fp4_unpack, interpreting, tl, triton
+from nibble.kernels._triton import e4m3_to_f32, fp4_unpack, fp8_native, interpreting, tl, triton
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def decode_mode(dtype: torch.dtype, device: torch.device | None = None) -> int:
     tiles: the caller stages bf16 activations as fp16, see F16_X_SHIFT)."""
     if interpreting() or dtype == torch.float32:
         return 0
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+    if device is not None and fp8_native(device):
         return 3
     return 1 if dtype == torch.bfloat16 else 2
 

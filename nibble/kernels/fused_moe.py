@@ -10,7 +10,8 @@ with the routing weight fused, then the top-k sum in a fixed order (tuning field
 small extra launch; "fused" = done by the down kernel's last program per token and slice, `gemv` path only;
 "token" = a per-token down kernel that loops over the k experts). `xmode` picks how the activations meet
 the weights' stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per
-block of the sorted path. Dense experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM
+block of the sorted path, `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
+fp16 (fp4_tiles.py, DEC 3). Dense experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM
 (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4
 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.

@@ -2,10 +2,11 @@
 
 A program owns BLOCK_N weight rows of one expert and a block of that expert's (token, expert) pairs, and
 computes acc[rows, tokens] = W[rows, :] @ A[pairs, :]^T: the weights are the wide M side of the MMA,
-dequantised in registers straight into its A operand (`fp4_decode4`, ~2.5 ops per weight), the few tokens
-are the narrow N side. A weight tile is read and dequantised once for all tokens of the block, tensor cores
-do the multiply at any batch size (the MMA has throughput to spare and the CUDA cores stay free for the
-decode), and the K loop is a dot loop that Triton software-pipelines with asynchronous copies.
+dequantised in registers straight into its A operand (`fp4_decode4`: ~2 ops per weight on sm_89+, ~2.5
+before), the few tokens are the narrow N side. A weight tile is read and dequantised once for all tokens of
+the block, tensor cores do the multiply at any batch size (the MMA has throughput to spare and the CUDA cores
+stay free for the decode), and the K loop is a dot loop that Triton software-pipelines with asynchronous
+copies.
 
 `fp4_decode4` yields the weights as four stride-4 slices of K (W_t[:, u] = W[:, 4u + t]), so the
 activations must be sliced the same way. How (constexpr XMODE):
