@@ -44,6 +44,10 @@ stage_moe() {
   run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \
     --budget-s 350 --out "$OUT/moe.json"
 }
+stage_moeauto() {  # the tuning table's choice only (with the shift decode beside it), decode sizes of both big layers
+  run moeauto 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "auto" \
+    --out "$OUT/moeauto.json"
+}
 stage_moe397() { run moe397 200 python3 benchmarks/moe_bench.py --models 397B --tokens 1,4,16,64,256,2048 --out "$OUT/moe397.json"; }
 stage_ncu() {
   run ncu 100 ncu --clock-control none --kernel-name regex:moe_ --launch-skip 0 --launch-count 10 \

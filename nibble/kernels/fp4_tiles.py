@@ -108,6 +108,22 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # from 2^-10 up (bf16 has 8), an absolute resolution of 2^-20 below.
 
 
+def fp4_units(q: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 bytes [..., K/2] (uint8, contiguous along K) as the int16 units of 4 codes [..., K/4] that
+    `w4_tile` loads; copied first when a row would start off a 2-byte boundary."""
+    if q.storage_offset() % 2 or any(st % 2 for st in q.stride()[:-1]) or q.shape[-1] % 2:
+        q = q.contiguous()
+    return q.view(torch.int16)
+
+
+def tile_for_dec(dec: int, block_k: int, stages: int) -> tuple[int, int]:
+    """(BLOCK_K, stages) to launch a table's tile with: the tables are tuned for 16-bit tiles, which spill
+    with fp32 activations (DEC 0 on the GPU), so those get at most 64 and 2."""
+    if dec == 0 and not interpreting():
+        return min(block_k, 64), 2
+    return block_k, stages
+
+
 F16_X_SHIFT = 4  # DEC 3 with bf16 activations: they are staged as fp16 * 2^-4 (finite up to ~1e6)
 
 

@@ -16,9 +16,10 @@ fp16 (fp4_tiles.py, DEC 3). Dense experts run the older per-pair GEMV (moe_gemv.
 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.
 
-Measured on one H200 (benchmarks/moe_bench.py --sweep, copy ceiling 4.26 TB/s; docs/benchmarks.md), with the
-H200 table's choices: 122B-A10B layer T=1 25.8 us (first generation: 50.5), T=8 134 (372), T=32 335 (917),
-T=128 594 (2202), T=2048 1.85 ms = 168 TFLOP/s (8.6 ms); 35B-A3B T=1 15.1 us (28.7), T=32 145 (354).
+Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.23 TB/s; docs/benchmarks.md),
+with the H200 table's choices and the converter decode: 122B-A10B layer T=1 25.9 us (first generation: 50.5),
+T=8 122 (372), T=32 301 (917), T=128 582 (2202), T=2048 1.78 ms (8.6 ms); 397B-A17B T=32 590 us = 69-70% of
+copy bandwidth.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
-from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode
+from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode, fp4_units, tile_for_dec
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
@@ -130,14 +131,6 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-def _units(q: torch.Tensor, st: tuple[int, int, int, int]) -> tuple[torch.Tensor, int, int]:
-    """Packed FP4 bytes [E, N, K/2] viewed as int16 units of 4 codes, with strides in units."""
-    if q.stride(0) % 2 or q.stride(1) % 2 or q.storage_offset() % 2 or q.shape[-1] % 2:
-        q = q.contiguous()
-        st = (q.stride(0), q.stride(1), *st[2:])
-    return q.view(torch.int16), st[0] // 2, st[1] // 2
-
-
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -160,21 +153,18 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     t, h = x.shape
     q13, s13, g13, st13 = w13
     q2, s2, g2, st2 = w2
-    u13, sq13e, sq13n = _units(q13, st13)
-    u2, sq2e, sq2n = _units(q2, st2)
+    u13, u2 = fp4_units(q13), fp4_units(q2)
+    (sq13e, sq13n, _), (sq2e, sq2n, _) = u13.stride(), u2.stride()
     dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
     # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
     # the same way), the kernels' epilogues multiply the shift back
     adt = torch.float16 if dec == 3 else x.dtype
     xsh = F16_X_SHIFT if adt != x.dtype else 0
-    gbn, gbk = cfg["gu_block_n"], cfg["gu_block_k"]
-    dbn, dbk = cfg["dn_block_n"], cfg["dn_block_k"]
-    gkw = {"num_warps": cfg["gu_warps"], "num_stages": cfg["gu_stages"]}
-    dkw = {"num_warps": cfg["dn_warps"], "num_stages": cfg["dn_stages"]}
-    if dec == 0 and not interpreting():
-        # fp32 activations (fp32 models, tests): the tables are tuned for 16-bit tiles, which spill in fp32
-        gbk, dbk = min(gbk, 64), min(dbk, 64)
-        gkw["num_stages"] = dkw["num_stages"] = 2
+    gbn, dbn = cfg["gu_block_n"], cfg["dn_block_n"]
+    gbk, g_stages = tile_for_dec(dec, cfg["gu_block_k"], cfg["gu_stages"])
+    dbk, d_stages = tile_for_dec(dec, cfg["dn_block_k"], cfg["dn_stages"])
+    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages}
+    dkw = {"num_warps": cfg["dn_warps"], "num_stages": d_stages}
     if path == "gemv":
         # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)

@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from nibble.formats.nvfp4 import NVFP4Tensor, dequantize
-from nibble.kernels._triton import cdiv, dot_precision, interpreting, sm_count, tl, triton
+from nibble.kernels._triton import cdiv, dot_precision, sm_count, tl, triton
 from nibble.kernels.fp4_tiles import (
     decode_mode,
     fp4_acc_scale,
     fp4_gemv_tile,
     fp4_tile_kn,
+    fp4_units,
+    tile_for_dec,
     w4_finish,
     w4_k_step,
     w4_tile,
@@ -207,10 +209,7 @@ def nvfp4_linear_launch(x: torch.Tensor, w: NVFP4Tensor, *, path: str = "auto",
 def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any]) -> None:
     t, k = x.shape
     n = w.packed.shape[0]
-    q = w.packed
-    if q.stride(0) % 2 or q.storage_offset() % 2:  # int16 units need 2-byte aligned rows
-        q = q.contiguous()
-    q = q.view(torch.int16)
+    q = fp4_units(w.packed)
     s8 = w.block_scale.view(torch.uint8)
     xmode = XMODES[cfg["xmode"]]
     if xmode == PERM and k % 4:
@@ -226,9 +225,8 @@ def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any])
         sms = sm_count(x.device)
         want = 1 if tiles >= sms else max(1, min(cdiv(4 * sms, tiles), k // (2 * table_bk), 16))
     dec = decode_mode(x.dtype)
-    bk, warps, stages = table_bk, cfg["warps"], cfg["stages"]
-    if dec == 0 and not interpreting():
-        bk, stages = min(bk, 64), 2  # fp32 activations: the 16-bit tiles of the tables would spill
+    warps = cfg["warps"]
+    bk, stages = tile_for_dec(dec, table_bk, cfg["stages"])
     split, chunk = _split_k(k, bk, want)
     xs = x
     if xmode == PERM:
