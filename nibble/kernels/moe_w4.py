@@ -16,7 +16,7 @@ activations must be sliced the same way. How (constexpr XMODE):
   memory by asynchronous copy and into the MMA as is, and 4 slots fill the MMA's minimal 16 columns, so a
   single token pads 16 columns with zeros that are never loaded. Best while tokens per block are few.
 - 1, "perm" (prefill): the activations are stored pre-permuted, A'[m, t * K/4 + u] = A[m, 4u + t]
-  (`permute4_kernel` for x; gate_up writes its output that way for down), so each slice is a contiguous
+  (`stage_x` for x; gate_up writes its output that way for down), so each slice is a contiguous
   [BLOCK_K/4, tokens] tile: no wasted MMA columns.
 - 2, "split": the natural activation tile is split into the 4 slices in registers (`x_split4`).
 
