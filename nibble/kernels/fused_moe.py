@@ -203,6 +203,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
     act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
+    staged = torch.empty((chunk, h), dtype=adt, device=x.device) if xmode == PERM or adt != x.dtype else None
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
@@ -210,8 +211,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
         flat = ids_c.view(-1)
         xs = x[c0:c1]
-        if xmode == PERM or adt != x.dtype:
-            xs = stage_x(xs, adt, xsh, permute=xmode == PERM)
+        if staged is not None:
+            xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=staged[:c1 - c0])
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
             act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,

@@ -280,13 +280,18 @@ def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.conste
     tl.store(out_ptr + m * stride_ot + col, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool) -> torch.Tensor:
-    """x [T, K] -> a new [T, K] tensor of `dtype` holding x * 2^-x_shift, columns in `fp4_decode4`'s slice
-    order if permute (K a multiple of 4)."""
+def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, K] of `dtype` (`out` if given, else new) holding x * 2^-x_shift, columns in
+    `fp4_decode4`'s slice order if permute (K a multiple of 4)."""
     t, k = x.shape
     if k % 4:
         raise ValueError(f"stage_x: K = {k} is not a multiple of 4")
-    out = torch.empty((t, k), dtype=dtype, device=x.device)
+    if out is None:
+        out = torch.empty((t, k), dtype=dtype, device=x.device)
+    elif out.shape != (t, k) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"stage_x: out must be {dtype} [{t}, {k}] with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if t:
         block = 256
         stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,

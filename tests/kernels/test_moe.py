@@ -144,9 +144,13 @@ def test_stage_x(permute: bool) -> None:
     x = torch.randn(t, k, dtype=torch.bfloat16) * 100
     x[0, 5] = 3e6  # beyond 65504 * 2^4: saturates instead of becoming inf
     x[1, 6] = -2e5  # beyond fp16, within the staged range
-    out = stage_x(x[:, :k], torch.float16, shift, permute)
+    out = stage_x(x, torch.float16, shift, permute)
     ref = (x.float() / 2 ** shift).clamp(-65504, 65504).to(torch.float16)
     if permute:
         ref = ref.view(t, k // 4, 4).transpose(1, 2).reshape(t, k)
     assert torch.equal(out, ref)
     assert torch.equal(stage_x(x, torch.bfloat16, 0, False), x)
+    into = torch.empty(t, k, dtype=torch.float16)
+    assert stage_x(x, torch.float16, shift, permute, out=into) is into and torch.equal(into, out)
+    with pytest.raises(ValueError, match="out must be"):
+        stage_x(x, torch.float16, shift, permute, out=torch.empty(t, k, dtype=torch.bfloat16))
