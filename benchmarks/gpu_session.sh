@@ -48,6 +48,14 @@ stage_moeauto() {  # the tuning table's choice only (with the shift decode besid
   run moeauto 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "auto" \
     --out "$OUT/moeauto.json"
 }
+stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decode sizes of both big layers
+  run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "^auto" \
+    --out "$OUT/moepdl.json"
+}
+stage_moetile() {  # sorted-path tiles at 4-8 pairs per expert
+  run moetile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
+    --only "^srt:(split|perm)(16|32)|^srt:quad8" --out "$OUT/moetile.json"
+}
 stage_moe397() { run moe397 200 python3 benchmarks/moe_bench.py --models 397B --tokens 1,4,16,64,256,2048 --out "$OUT/moe397.json"; }
 stage_ncu() {
   run ncu 100 ncu --clock-control none --kernel-name regex:moe_ --launch-skip 0 --launch-count 10 \

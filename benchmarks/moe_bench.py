@@ -85,6 +85,12 @@ SORTED = [
     _srt("quad", 4, (32, 256, 4, 4), (64, 128, 4, 6)),
     _srt("split", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("perm", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
+    _srt("split", 16, (32, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("perm", 16, (32, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("perm", 16, (64, 256, 8, 4), (128, 256, 8, 4)),
+    _srt("split", 16, (64, 256, 8, 4), (64, 256, 4, 4)),
+    _srt("perm", 32, (64, 128, 4, 4), (64, 128, 4, 4)),
+    _srt("split", 32, (64, 128, 8, 3), (64, 128, 8, 3)),
 ]
 PREFILL = [
     _srt("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
@@ -103,7 +109,9 @@ def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tupl
 
 
 def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
-    out = [("auto", "auto", {}), ("auto:shift-decode", "auto", {"cvt_decode": False})]
+    out = [("auto", "auto", {}), ("auto:no-pdl", "auto", {"pdl": False, "dn_prefetch": False}),
+           ("auto:dn-prefetch", "auto", {"dn_prefetch": True}), ("auto:gu-prefetch", "auto", {"gu_prefetch": True}),
+           ("auto:shift-decode", "auto", {"cvt_decode": False})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
         return out

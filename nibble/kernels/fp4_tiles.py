@@ -156,14 +156,15 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
 def _decode_cvt_asm() -> str:
     """PTX (sm_89+) for the same 4 outputs as `_decode_asm`, in fp16, through the e4m3 -> f16x2 converter:
     a byte permute gathers the codes of each output pair 8 bits apart ([b0, b2, b1, b3]: low nibbles hold
-    codes 0 and 2, high nibbles codes 1 and 3), shift+mask turns every nibble into an e4m3 byte (magnitude
-    to bits 2..4, the bottom of the exponent, sign to bit 7: e2m1 * 2^-6 exactly, subnormal codes
-    included), and one `cvt.rn.f16x2.e4m3x2` decodes each pair. $5: the fp16 block scale pair; the outputs
-    are e2m1 * scale * 2^-6 (exact, as in `_decode_asm`)."""
-    lines = ["{", ".reg .b32 p, a, b, e, o, r;", ".reg .b16 l, h;", "prmt.b32 p, $4, $4, 0x3120;",
-             "shl.b32 a, p, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, p, 4;", "and.b32 b, b, 0x80808080;",
-             "or.b32 e, a, b;", "shr.b32 a, p, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, p, 0x80808080;",
-             "or.b32 o, a, b;"]
+    codes 0 and 2, high nibbles codes 1 and 3), and every nibble becomes an e4m3 byte, magnitude in bits
+    2..4 (the bottom of the exponent: e2m1 * 2^-6 exactly, subnormal codes included) and sign in bit 7, by
+    one select each (lop3 "mask ? shifted codes : sign bits"; the sign bits sit where the mask takes the
+    codes or where the byte must hold the sign); one `cvt.rn.f16x2.e4m3x2` then decodes each pair. $5: the
+    fp16 block scale pair; the outputs are e2m1 * scale * 2^-6 (exact, as in `_decode_asm`)."""
+    lines = ["{", ".reg .b32 p, s, a, e, o, r, m;", ".reg .b16 l, h;", "prmt.b32 p, $4, $4, 0x3120;",
+             "mov.b32 m, 0x1C1C1C1C;", "and.b32 s, p, 0x88888888;",
+             "shr.b32 a, p, 2;", "lop3.b32 o, a, s, m, 0xE4;",
+             "shl.b32 a, p, 2;", "shl.b32 s, s, 4;", "lop3.b32 e, a, s, m, 0xE4;"]
     for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
         lines.append(f"mov.b32 {{l, h}}, {word};")
         for half, t in (("l", t_lo), ("h", t_hi)):

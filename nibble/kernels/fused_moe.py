@@ -17,9 +17,9 @@ baseline, kept for comparison). Very large batches run in token chunks to bound 
 intermediate.
 
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.23 TB/s; docs/benchmarks.md),
-with the H200 table's choices and the converter decode: 122B-A10B layer T=1 25.9 us (first generation: 50.5),
-T=8 122 (372), T=32 301 (917), T=128 582 (2202), T=2048 1.78 ms (8.6 ms); 397B-A17B T=32 590 us = 69-70% of
-copy bandwidth.
+with the H200 table's choices, the converter decode and PDL: 122B-A10B layer T=1 26.4 us (first generation:
+50.5), T=8 118 (372), T=32 299 (917), T=128 558 (2202), T=2048 1.77 ms (8.6 ms); 397B-A17B T=16-32 70-71% of
+copy bandwidth (586 us at T=32).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from nibble.kernels.moe_w4 import (
     moe_w4_gate_up_kernel,
     stage_x,
 )
+from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tuning_tables import lookup
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -163,15 +164,25 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     gbn, dbn = cfg["gu_block_n"], cfg["dn_block_n"]
     gbk, g_stages = tile_for_dec(dec, cfg["gu_block_k"], cfg["gu_stages"])
     dbk, d_stages = tile_for_dec(dec, cfg["dn_block_k"], cfg["dn_stages"])
-    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages}
+    # sm_90+: gate_up (after stage_x), down (after gate_up) and the reduce start early with PDL (tuning field
+    # `pdl`, default on); `gu_prefetch` / `dn_prefetch` (default off: neutral to 10% slower on the H200) make
+    # gate_up / down first pull their weight rows into L2 (pdl.py)
+    pdl = bool(cfg.get("pdl", True)) and pdl_supported(x.device)
+    pf = pdl_supported(x.device) and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)
+    gu_pf, dn_pf = pf and bool(cfg.get("gu_prefetch", False)), pf and bool(cfg.get("dn_prefetch", False))
+    staged = adt != x.dtype
+    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages, "PREFETCH": gu_pf, "PDL_TRIGGER": pdl,
+           **_pdl_launch(pdl and staged)}
     dkw = {"num_warps": cfg["dn_warps"], "num_stages": d_stages}
+    dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}
+    rkw = _pdl_launch(pdl)
     if path == "gemv":
         # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         flat = ids.view(-1)
         xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
         slots = 4 if xmode == QUAD else 16
-        xs = x if adt == x.dtype else stage_x(x, adt, xsh, permute=False)
+        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl) if staged else x
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
@@ -190,10 +201,10 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, **dkw)
+            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw)
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
-                                                  BLOCK=1024, num_warps=4)
+                                                  BLOCK=1024, num_warps=4, **rkw)
         return
     xmode = XMODES[cfg["xmode"]]
     if xmode == PERM and (h % 4 or inter % 4):
@@ -203,7 +214,9 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
     act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
-    staged = torch.empty((chunk, h), dtype=adt, device=x.device) if xmode == PERM or adt != x.dtype else None
+    buf = torch.empty((chunk, h), dtype=adt, device=x.device) if xmode == PERM or staged else None
+    if buf is not None and not staged:  # gate_up follows a stage_x here too
+        gkw.update(_pdl_launch(pdl))
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
@@ -211,8 +224,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
         flat = ids_c.view(-1)
         xs = x[c0:c1]
-        if staged is not None:
-            xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=staged[:c1 - c0])
+        if buf is not None:
+            xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=buf[:c1 - c0], pdl_trigger=pdl)
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
             act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,
@@ -221,9 +234,14 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
             y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
             EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn, BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh,
-            **dkw)
+            PDL_TRIGGER=pdl, **dpdl, **dkw)
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
-                                                    TOP_K=top_k, BLOCK=1024, num_warps=4)
+                                                    TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
+
+
+def _pdl_launch(on: bool) -> dict[str, Any]:
+    """Launch keywords of a kernel that waits for the one before it (PDL_WAIT): launched with PDL."""
+    return {"PDL_WAIT": True, "launch_pdl": True} if on else {}
 
 
 def _generic(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,

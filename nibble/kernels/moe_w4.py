@@ -38,6 +38,7 @@ import torch
 
 from nibble.kernels._triton import cdiv, tl, triton
 from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_tile
+from nibble.kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_rows
 
 QUAD, PERM, SPLIT = 0, 1, 2
 XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
@@ -94,15 +95,32 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
                           count_ptr, top_k, hidden, inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn,
                           stride_at, SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0):
+                          BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
+                          PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
     act: [pairs, I] (ACT_PERM: permuted rows). X_SHIFT: x holds activations * 2^-X_SHIFT, and act is
-    written the same way (fp16 staging of bf16 activations, see `stage_x`)."""
+    written the same way (fp16 staging of bf16 activations, see `stage_x`). PREFETCH: first ask for the
+    program's weight rows in L2 (pdl.py); PDL_WAIT: launched with PDL right after `stage_x` (ids and the
+    sorted blocks are older, so they are read before the wait); PDL_TRIGGER: the down kernel is."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
+    if PREFETCH:
+        if e >= 0:
+            n0 = tl.program_id(1) * BLOCK_N
+            num = tl.minimum(inter - n0, BLOCK_N)
+            q_e = q_ptr + e.to(tl.int64) * stride_qe
+            s_e = s_ptr + e.to(tl.int64) * stride_se
+            prefetch_rows(q_e, n0, num, stride_qn, hidden // 4)
+            prefetch_rows(q_e, n0 + inter, num, stride_qn, hidden // 4)
+            prefetch_rows(s_e, n0, num, stride_sn, hidden // 16)
+            prefetch_rows(s_e, n0 + inter, num, stride_sn, hidden // 16)
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
+    if PDL_WAIT:
+        gdc_wait()
     if e < 0:
         return
     e64 = e.to(tl.int64)
@@ -139,9 +157,12 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                        stride_se, stride_sn, stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
                        SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
-                       X_SHIFT: tl.constexpr = 0):
+                       X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
+                       PDL_TRIGGER: tl.constexpr = False):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
     (w2 as units [E, H, I/4], scales [E, H, I/16], global [E, H]); y: fp32 or activation dtype [pairs, H].
+    PREFETCH / PDL_WAIT / PDL_TRIGGER as in `moe_w4_gate_up_kernel` (launched with PDL after gate_up: the
+    weights stream into L2 while gate_up finishes; the trigger is for the reduce launch).
 
     FUSED_SUM (pairs mode): after writing y, each program counts itself in sem[token, slice]; the one that
     completes the token's live pairs sums its k rows of y in order j = 0..k-1 into out and re-arms the
@@ -150,6 +171,16 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        if e >= 0:
+            n0 = tl.program_id(1) * BLOCK_N
+            num = tl.minimum(hidden - n0, BLOCK_N)
+            prefetch_rows(q_ptr + e.to(tl.int64) * stride_qe, n0, num, stride_qn, inter // 4)
+            prefetch_rows(s_ptr + e.to(tl.int64) * stride_se, n0, num, stride_sn, inter // 16)
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
+    if PDL_WAIT:
+        gdc_wait()
     if FUSED_SUM:
         p0 = tl.program_id(0)
         t = p0 // TOP_K
@@ -263,9 +294,11 @@ def _f16_range(v):
 
 @triton.jit
 def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.constexpr, PERMUTE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
     """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
-    order of `fp4_decode4`, PERM mode), else c(k) = k."""
+    order of `fp4_decode4`, PERM mode), else c(k) = k. PDL_TRIGGER: gate_up is launched with PDL."""
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     t = tl.arange(0, 4)
@@ -281,9 +314,10 @@ def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.conste
 
 
 def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, pdl_trigger: bool = False) -> torch.Tensor:
     """x [T, K] -> [T, K] of `dtype` (`out` if given, else new) holding x * 2^-x_shift, columns in
-    `fp4_decode4`'s slice order if permute (K a multiple of 4)."""
+    `fp4_decode4`'s slice order if permute (K a multiple of 4). pdl_trigger: the next kernel is launched
+    with PDL (sm_90+ only)."""
     t, k = x.shape
     if k % 4:
         raise ValueError(f"stage_x: K = {k} is not a multiple of 4")
@@ -295,5 +329,6 @@ def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
     if t:
         block = 256
         stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
-                                                 PERMUTE=permute, BLOCK=block, num_warps=4)
+                                                 PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger,
+                                                 num_warps=4)
     return out

@@ -21,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+TABLE_CC = {"nvidia_h200": 90}  # device tables and the compute capability they are selected on
 SMEM_LIMIT_KB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
 
 
@@ -70,7 +71,10 @@ def main() -> int:
     from nibble.kernels.moe import MoEWeights
 
     bf = torch.bfloat16
-    tables = [json.loads(p.read_text()) for p in sorted((ROOT / "nibble/kernels/tuning").glob("*.json"))]
+    # default.json first (it applies everywhere); a device's table only for that device's compute capability
+    paths = sorted((ROOT / "nibble/kernels/tuning").glob("*.json"), key=lambda p: (p.stem != "default", p.stem))
+    table_cc = {p.stem: TABLE_CC.get(p.stem) for p in paths}
+    all_tables = [(p.stem, json.loads(p.read_text())) for p in paths]
     errors: list[tuple[str, str]] = []
 
     def attempt(name: str, fn: Callable[..., object], *args, **kwargs) -> None:
@@ -86,6 +90,7 @@ def main() -> int:
                            torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
 
     def configs(op: str) -> list[dict]:
+        tables = [t for stem, t in all_tables if table_cc[stem] in (None, target["cc"])]
         base = [e["config"] for e in tables[0].get(op, [])] if tables else []
         out = []
         for t in tables:
@@ -146,6 +151,7 @@ def main() -> int:
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
                  {"xmode": "perm", "block_t": 64}]
+        fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
             for cfg in configs(op):
                 for mode in modes if experts is w4 else [{}]:

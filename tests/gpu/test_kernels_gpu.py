@@ -47,6 +47,7 @@ from nibble.kernels.norm import (  # noqa: E402
     rms_norm_ref,
 )
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
+from nibble.kernels.pdl import pdl_supported  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
@@ -346,6 +347,42 @@ def test_fused_moe_cuda_graph_replay(t: int) -> None:
         g.replay()
         torch.cuda.synchronize()
         assert rel(out, fused_moe_ref(x.float(), w, ids, experts)) < TOL
+
+
+@pytest.mark.parametrize("t", [1, 6, 64, 300])
+def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
+    """PDL launches and L2 prefetch change timing only: bitwise the same outputs as plain launches, for
+    calls back to back whose inputs change in between (a missing or misplaced wait would read the previous
+    call's activations), eagerly and replayed from a CUDA graph."""
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert pdl_supported(torch.device(DEV))
+    c = config("122B")
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    calls = []
+    for _ in range(4):
+        w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+        calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
+    variants = ({"pdl": True, "gu_prefetch": True, "dn_prefetch": True}, {"pdl": True, "dn_prefetch": False},
+                {"pdl": False, "gu_prefetch": True})
+    for path in ("gemv", "sorted"):
+        plain = [fused_moe_launch(*a, experts, path=path, config={"pdl": False, "dn_prefetch": False})
+                 for a in calls]
+        for cfg in variants:
+            eager = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
+            outs: list[torch.Tensor] = []
+
+            def all_calls(path: str = path, cfg: dict = cfg, outs: list = outs) -> None:
+                outs[:] = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
+
+            g = capture_graph(all_calls)  # outs: the captured calls' output buffers, rewritten by each replay
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            for i, p in enumerate(plain):
+                assert torch.equal(eager[i], p), (path, cfg, i, "eager")
+                assert torch.equal(outs[i], p), (path, cfg, i, "graph")
 
 
 @pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])
