@@ -167,14 +167,15 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     # sm_90+: gate_up (after stage_x), down (after gate_up) and the reduce start early with PDL (tuning field
     # `pdl`, default on); `gu_prefetch` / `dn_prefetch` (default off: neutral to 10% slower on the H200) make
     # gate_up / down first pull their weight rows into L2 (pdl.py)
-    pdl = bool(cfg.get("pdl", True)) and pdl_supported(x.device)
-    pf = pdl_supported(x.device) and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)
-    gu_pf, dn_pf = pf and bool(cfg.get("gu_prefetch", False)), pf and bool(cfg.get("dn_prefetch", False))
+    can_pdl = pdl_supported(x.device)
+    pdl = can_pdl and bool(cfg.get("pdl", True))
+    gu_pf, dn_pf = bool(cfg.get("gu_prefetch", False)), bool(cfg.get("dn_prefetch", False))
+    if (gu_pf or dn_pf) and not (can_pdl and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)):
+        gu_pf = dn_pf = False
     staged = adt != x.dtype
-    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages, "PREFETCH": gu_pf, "PDL_TRIGGER": pdl,
-           **_pdl_launch(pdl and staged)}
+    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages, "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
     dkw = {"num_warps": cfg["dn_warps"], "num_stages": d_stages}
-    dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}
+    dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}  # moe_w4_down_kernel only: the token kernel has no PDL
     rkw = _pdl_launch(pdl)
     if path == "gemv":
         # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
@@ -186,7 +187,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
-            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw)
+            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
+            **_pdl_launch(pdl and staged))
         mode = cfg["dn_mode"]
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -215,8 +217,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
     buf = torch.empty((chunk, h), dtype=adt, device=x.device) if xmode == PERM or staged else None
-    if buf is not None and not staged:  # gate_up follows a stage_x here too
-        gkw.update(_pdl_launch(pdl))
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
@@ -229,7 +229,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
             act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,
-            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw)
+            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw, **_pdl_launch(pdl and buf is not None))
         moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
             act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
             y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
@@ -240,7 +240,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
 
 
 def _pdl_launch(on: bool) -> dict[str, Any]:
-    """Launch keywords of a kernel that waits for the one before it (PDL_WAIT): launched with PDL."""
+    """Launch keywords of a kernel that waits for the one before it (PDL_WAIT), so launched with PDL; `on`
+    only where the kernel before it is ours (it reads older inputs before the wait)."""
     return {"PDL_WAIT": True, "launch_pdl": True} if on else {}
 
 

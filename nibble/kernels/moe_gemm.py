@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from nibble.kernels._triton import tl, triton
 from nibble.kernels.fp4_tiles import dense_tile_kn, fp4_tile_kn, x_even_odd
-from nibble.kernels.pdl import gdc_wait
+from nibble.kernels.pdl import pdl_handoff
 
 
 @triton.jit
@@ -121,8 +121,7 @@ def moe_reduce_kernel(y_ptr, out_ptr, ids_ptr, hidden, stride_yt, stride_ot, TOP
                       BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr = False):
     """out[t] = sum_j y[t * TOP_K + j] in fp32, j in order, skipping pairs of expert id -1 (their rows of
     y are never written). PDL_WAIT: launched with PDL after the down kernel (pdl.py)."""
-    if PDL_WAIT:
-        gdc_wait()
+    pdl_handoff(False, PDL_WAIT)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nmask = n < hidden

@@ -38,7 +38,7 @@ import torch
 
 from nibble.kernels._triton import cdiv, tl, triton
 from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_tile
-from nibble.kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_rows
+from nibble.kernels.pdl import pdl_handoff, prefetch_rows
 
 QUAD, PERM, SPLIT = 0, 1, 2
 XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
@@ -82,6 +82,13 @@ def _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED: tl.constexpr, SLOTS:
 
 
 @triton.jit
+def _prefetch_expert_rows(q_ptr, s_ptr, e, first_row, num_rows, stride_qe, stride_qn, stride_se, stride_sn, n_k):
+    """Ask for num_rows weight rows of expert e from first_row on, units and block scales, in L2."""
+    prefetch_rows(q_ptr + e.to(tl.int64) * stride_qe, first_row, num_rows, stride_qn, n_k // 4)
+    prefetch_rows(s_ptr + e.to(tl.int64) * stride_se, first_row, num_rows, stride_sn, n_k // 16)
+
+
+@triton.jit
 def _act_col(n, inter, ACT_PERM: tl.constexpr):
     """Column of feature n in the activation buffer: natural, or permuted for a PERM-mode consumer."""
     if ACT_PERM:
@@ -111,16 +118,10 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
         if e >= 0:
             n0 = tl.program_id(1) * BLOCK_N
             num = tl.minimum(inter - n0, BLOCK_N)
-            q_e = q_ptr + e.to(tl.int64) * stride_qe
-            s_e = s_ptr + e.to(tl.int64) * stride_se
-            prefetch_rows(q_e, n0, num, stride_qn, hidden // 4)
-            prefetch_rows(q_e, n0 + inter, num, stride_qn, hidden // 4)
-            prefetch_rows(s_e, n0, num, stride_sn, hidden // 16)
-            prefetch_rows(s_e, n0 + inter, num, stride_sn, hidden // 16)
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
-    if PDL_WAIT:
-        gdc_wait()
+            _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
+            _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn,
+                                  hidden)
+    pdl_handoff(PDL_TRIGGER, PDL_WAIT)
     if e < 0:
         return
     e64 = e.to(tl.int64)
@@ -174,13 +175,9 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     if PREFETCH:
         if e >= 0:
             n0 = tl.program_id(1) * BLOCK_N
-            num = tl.minimum(hidden - n0, BLOCK_N)
-            prefetch_rows(q_ptr + e.to(tl.int64) * stride_qe, n0, num, stride_qn, inter // 4)
-            prefetch_rows(s_ptr + e.to(tl.int64) * stride_se, n0, num, stride_sn, inter // 16)
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
-    if PDL_WAIT:
-        gdc_wait()
+            _prefetch_expert_rows(q_ptr, s_ptr, e, n0, tl.minimum(hidden - n0, BLOCK_N), stride_qe, stride_qn,
+                                  stride_se, stride_sn, inter)
+    pdl_handoff(PDL_TRIGGER, PDL_WAIT)
     if FUSED_SUM:
         p0 = tl.program_id(0)
         t = p0 // TOP_K
@@ -297,8 +294,7 @@ def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.conste
                    BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
     """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
     order of `fp4_decode4`, PERM mode), else c(k) = k. PDL_TRIGGER: gate_up is launched with PDL."""
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
+    pdl_handoff(PDL_TRIGGER, False)
     m = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     t = tl.arange(0, 4)

@@ -62,6 +62,16 @@ def gdc_launch_dependents():
 
 
 @triton.jit
+def pdl_handoff(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
+    """A kernel's PDL point: let the next kernel start (TRIGGER: it is launched with PDL), then wait for the
+    kernel ahead (WAIT: this one is). Neither flag: nothing."""
+    if TRIGGER:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
+
+
+@triton.jit
 def prefetch_l2(ptr, nbytes):
     """Thread 0 of the program asks for nbytes (a multiple of 16, > 0) at ptr (16-byte aligned) to be
     brought into L2: one bulk request, nothing waits for it."""

@@ -368,6 +368,8 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
     for path in ("gemv", "sorted"):
         plain = [fused_moe_launch(*a, experts, path=path, config={"pdl": False, "dn_prefetch": False})
                  for a in calls]
+        for (x, w, ids), p in zip(calls, plain):
+            assert rel(p, fused_moe_ref(x.float(), w, ids, experts)) < TOL, (path, "plain")
         for cfg in variants:
             eager = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
             outs: list[torch.Tensor] = []
