@@ -17,9 +17,9 @@ baseline, kept for comparison). Very large batches run in token chunks to bound 
 intermediate.
 
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.23 TB/s; docs/benchmarks.md),
-with the H200 table's choices, the converter decode and PDL: 122B-A10B layer T=1 26.4 us (first generation:
-50.5), T=8 118 (372), T=32 299 (917), T=128 558 (2202), T=2048 1.77 ms (8.6 ms); 397B-A17B T=16-32 70-71% of
-copy bandwidth (586 us at T=32).
+with the H200 table's choices, the converter decode, PDL and the L2 prefetch of down's weights: 122B-A10B layer
+T=1 26.4 us (first generation: 50.5), T=8 117 (372), T=32 295 (917), T=128 556 (2202), T=2048 1.77 ms (8.6 ms);
+397B-A17B T=16-64 71-73% of copy bandwidth (566 us at T=32).
 """
 
 from __future__ import annotations

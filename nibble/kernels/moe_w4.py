@@ -132,6 +132,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     q_rows = q_ptr + e64 * stride_qe + rows * stride_qn
     s_rows = s_ptr + e64 * stride_se + rows * stride_sn
     b_ptr = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)  # before the K loop, as in down
     acc0 = tl.zeros([2 * BLOCK_N, NCOL], tl.float32)
     acc1 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
@@ -147,7 +148,6 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     if X_SHIFT != 0:
         act = _f16_range(act * (1.0 / (1 << X_SHIFT)))
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
     tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
              act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
 
@@ -196,6 +196,10 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     q_rows = q_ptr + e64 * stride_qe + nc * stride_qn
     s_rows = s_ptr + e64 * stride_se + nc * stride_sn
     b_ptr = act_ptr + pair.to(tl.int64) * stride_at
+    # the output pairs and routing weights are read before the K loop: read after it, ptxas serialised every
+    # wgmma of the Hopper quad-mode loop (its advisory C7515)
+    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
+    tw = tl.load(topk_w_ptr + pr, mask=ok, other=0.0)
     acc0 = tl.zeros([BLOCK_N, NCOL], tl.float32)
     acc1 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
@@ -206,8 +210,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)
     acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * acc_scale)[:, None]
-    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
-    acc *= tl.load(topk_w_ptr + pr, mask=ok, other=0.0)[None, :]
+    acc *= tw[None, :]
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=(n < hidden)[:, None] & ok[None, :])
     if FUSED_SUM:
