@@ -52,6 +52,9 @@ stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decod
   run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "^auto" \
     --out "$OUT/moepdl.json"
 }
+stage_moeprobe() {  # where the time of a small-T layer goes (benchmarks/moe_probe.py)
+  run moeprobe 150 python3 benchmarks/moe_probe.py --models 122B,397B --tokens 1,2,4
+}
 stage_moetile() {  # sorted-path tiles at 4-8 pairs per expert
   run moetile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
     --only "^srt:(split|perm)(16|32)|^srt:quad8" --out "$OUT/moetile.json"

@@ -120,6 +120,9 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
                      {"xmode": "split", **_t(32, 256, 2, 4, "gu"), "dn_mode": "reduce", **_t(64, 256, 4, 3, "dn")}))
         out += [(name, "gemv", {"xmode": "quad", **cfg, **DN_REF}) for name, cfg in GU_PAIRS]
         out += [(name, "gemv", {**GU_REF, **cfg}) for name, cfg in DN_PAIRS]
+    if t <= 8:  # the sorted quad-4 tiles (with the L2 prefetch of down's weights) against the per-pair path
+        name, cfg = _srt("quad", 4, (32, 256, 4, 4), (64, 256, 4, 4))
+        out += [(name, "sorted", cfg), (f"{name}/pf", "sorted", {**cfg, "dn_prefetch": True})]
     if 8 <= t <= 256:
         out += [(name, "sorted", cfg) for name, cfg in SORTED]
     if t > 256:

@@ -1,0 +1,134 @@
+"""Where the time of a small-T NVFP4 MoE layer goes (one CUDA GPU): probes that separate the memory side,
+the kernels' instruction latency and the launch chain.
+
+    python benchmarks/moe_probe.py [--models 122B,397B] [--tokens 1,2,4]
+
+- `stream`: the layer as `moe_bench.py` times it (LAYERS expert stacks in a row, weights cold in L2);
+- `l2`: the same launches with every (token, expert) pair routed to one expert of one stack, so the weights
+  come from L2: the kernels' own latency with the DRAM taken out;
+- `kernels`: per-kernel device times of one eager call (torch profiler);
+- `read:*`: a streaming kernel that reads the bytes of the T = 1 gate_up / down weight tiles the way the
+  kernels do (one dot per K step against a constant tile, so Triton pipelines the loads the same way), with
+  rows `BLOCK_K/2` bytes apart as in the checkpoint ("rows") or with each program's K step stored as one
+  contiguous tile ("tiled"), at the kernels' program count and at 2x / 4x more programs (split K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.moe_bench import LAYERS, MODELS, Timer, kernel_times, random_experts
+from nibble.bench.gpu_timing import capture_graph
+from nibble.bench.latency import measure_copy_bandwidth
+from nibble.kernels._triton import tl, triton
+from nibble.kernels.fused_moe import fused_moe_launch
+from nibble.kernels.moe_route import route
+
+
+@triton.jit
+def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, TILED: tl.constexpr):
+    """Program p reads rows [p * ROWS, (p + 1) * ROWS) of q (int16 units [*, k_units]) in BU-unit K steps."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, ROWS)
+    u = tl.arange(0, BU)
+    base = pid * ROWS * k_units
+    b = tl.full([BU, 16], 1.0, tl.float16)
+    acc = tl.zeros([ROWS, 16], tl.float32)
+    for k in range(0, k_units, BU):
+        if TILED:
+            off = base + k * ROWS + r[:, None] * BU + u[None, :]
+        else:
+            off = base + r[:, None] * k_units + k + u[None, :]
+        w = tl.load(q_ptr + off).to(tl.float16, bitcast=True)
+        acc = tl.dot(w, b, acc)
+    tl.store(out_ptr + pid * ROWS * 16 + r[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
+
+
+def _stream_us(fns: list, rounds: int = 5) -> float:
+    def all_layers() -> None:
+        for _ in range(rounds):
+            for f in fns:
+                f()
+
+    g = capture_graph(all_layers)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (rounds * len(fns)))
+    return statistics.median(times)
+
+
+def read_probe(ceil: float) -> None:
+    dev = torch.device("cuda")
+    # (name, rows of all programs, K units, rows per program, units per step, warps, stages)
+    shapes = [("gate_up 122B T=1", 8 * 2048, 3072 // 4, 32, 64, 2, 4),
+              ("down 122B T=1", 8 * 3072, 1024 // 4, 32, 32, 2, 6)]
+    for name, rows, ku, rpp, bu, warps, stages in shapes:
+        bufs = [torch.randint(-2**15, 2**15, (rows, ku), dtype=torch.int16, device=dev) for _ in range(LAYERS)]
+        nbytes = rows * ku * 2
+        for tiled in (False, True):
+            for split in (1, 2, 4):
+                # split K: the same bytes as `split` times more programs with 1/split of K each
+                r2, k2 = rows * split, ku // split
+                views = [q.view(r2, k2) if tiled else q.view(rows, split, k2).transpose(0, 1).reshape(r2, k2)
+                         for q in bufs]
+                out = torch.empty(r2 // rpp * rpp * 16, dtype=torch.float32, device=dev)
+                fns = [partial(_read_kernel[(r2 // rpp,)], v, out, k2, ROWS=rpp, BU=bu, TILED=tiled,
+                               num_warps=warps, num_stages=stages) for v in views]
+                us = _stream_us(fns)
+                tb = nbytes / (us * 1e-6) / 1e12
+                print(f"read:{'tiled' if tiled else 'rows '} {name:18} split {split}  {r2 // rpp:6d} programs "
+                      f"{us:7.2f} us  {tb:5.2f} TB/s  {100 * tb / ceil:4.0f}%", flush=True)
+
+
+def layer_probe(models: list[str], tokens: list[int], ceil: float) -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev)
+    gen.manual_seed(0)
+    timer = Timer(10)
+    for model in models:
+        m = MODELS[model]
+        h, e, k = m["hidden"], m["experts"], m["top_k"]
+        stacks = [random_experts(model, dev, gen) for _ in range(LAYERS)]
+        per_expert = (stacks[0].w13.nbytes() + stacks[0].w2.nbytes()) / e
+        for t in tokens:
+            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+            w, ids = route(torch.randn(t, e, device=dev, generator=gen), k)
+            nbytes = int(torch.unique(ids).numel()) * per_expert
+            fns = [partial(fused_moe_launch, x, w, ids, s) for s in stacks]
+            us = timer.stream_us(fns)
+            one = torch.zeros_like(ids)
+            l2 = _stream_us([partial(fused_moe_launch, x, w, one, stacks[0])] * LAYERS)
+            print(f"{model} T={t}: stream {us:7.1f} us ({100 * nbytes / (us * 1e-6) / 1e12 / ceil:4.0f}% of copy)  "
+                  f"l2 (one expert) {l2:7.1f} us", flush=True)
+            for kname, kus in kernel_times(fns[0]).items():
+                print(f"      {kus:8.1f} us  {kname}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="122B,397B")
+    ap.add_argument("--tokens", default="1,2,4")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/moe_probe.py needs a CUDA GPU")
+    ceil = measure_copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e12
+    print(f"copy ceiling {ceil:.2f} TB/s", flush=True)
+    read_probe(ceil)
+    layer_probe(args.models.split(","), [int(t) for t in args.tokens.split(",")], ceil)
+
+
+if __name__ == "__main__":
+    main()
