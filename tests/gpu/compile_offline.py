@@ -3,6 +3,10 @@ dense experts, FP8 native and software paths) for a CUDA target WITHOUT a GPU, a
 per kernel. Catches GPU-only compile errors and shared-memory overflows before spending device time.
 
     python tests/gpu/compile_offline.py 90 80 100     # compute capabilities (default 90)
+    python tests/gpu/compile_offline.py 90 --ptxas    # also list the kernels whose wgmma ptxas serialises
+
+`--ptxas` (sm_90 only) runs Triton's ptxas with -v on each distinct kernel and lists those it reports as
+serialising their wgmma (advisory C7515: every Hopper MMA waited for; the MoE down kernel had it once).
 
 Relies on Triton internals (a stand-in driver and `JITFunction.run(warmup=True)`), checked with Triton
 3.7; TRITON_INTERPRET must be unset.
@@ -32,7 +36,8 @@ def main() -> int:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    ccs = [int(a) for a in sys.argv[1:]] or [90]
+    scan_ptxas = "--ptxas" in sys.argv[1:]
+    ccs = [int(a) for a in sys.argv[1:] if a != "--ptxas"] or [90]
     target = {"cc": ccs[0]}
 
     class StandInDriver:
@@ -53,11 +58,14 @@ def main() -> int:
 
     driver.set_active(StandInDriver())
     compiled: list[tuple[str, object]] = []
+    launched_by: dict[int, str] = {}  # id(kernel) -> the first `attempt` that compiled it
+    current = {"attempt": ""}
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append((self.fn.__name__, kernel))
+        launched_by.setdefault(id(kernel), current["attempt"])
         return kernel
 
     JITFunction.run = compile_only
@@ -78,6 +86,7 @@ def main() -> int:
     errors: list[tuple[str, str]] = []
 
     def attempt(name: str, fn: Callable[..., object], *args, **kwargs) -> None:
+        current["attempt"] = name
         try:
             fn(*args, **kwargs)
         except Exception as e:
@@ -187,10 +196,38 @@ def main() -> int:
                 errors.append((name, f"sm_{cc}: {md.shared / 1024:.1f} KB shared > {limit} KB"))
             print(f"  {name:28} warps={md.num_warps} stages={md.num_stages} shared={md.shared / 1024:6.1f} KB"
                   + ("  OVER LIMIT" if over else ""))
+        if scan_ptxas and cc == 90:
+            _scan_ptxas([(name, kernel, launched_by.get(id(kernel), "")) for name, kernel in compiled[start:]])
     print(f"\n{len(errors)} errors")
     for name, err in errors:
         print(f"  {name}: {err}")
     return 1 if errors else 0
+
+
+def _scan_ptxas(kernels: list[tuple[str, object, str]]) -> None:
+    """Print the distinct sm_90 kernels for which ptxas reports serialised wgmma (advisory C7515)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    seen: set[str] = set()
+    hits: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kernel, label in kernels:
+            ptx = kernel.asm.get("ptx", "")
+            if "wgmma" not in ptx or ptx in seen:
+                continue
+            seen.add(ptx)
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            res = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+                                 capture_output=True, text=True)
+            if "C7515" in res.stdout + res.stderr:
+                hits.append(f"  {name}  (first compiled by: {label})")
+    print(f"\nptxas: {len(seen)} distinct wgmma kernels, {len(hits)} with serialised wgmma (C7515)")
+    print("\n".join(hits))
 
 
 if __name__ == "__main__":
