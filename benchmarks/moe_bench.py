@@ -183,7 +183,10 @@ class Timer:
     def cold_us(self, fn) -> float:
         return 1e3 * cold_ms(capture_graph(fn).replay, self.reps, self.flush)
 
-    def stream_us(self, fns: list, rounds: int = 5) -> float:
+    def stream_us(self, fns: list, rounds: int = 5, flush: bool = True) -> float:
+        """Microseconds per op of one graph replaying `fns` `rounds` times in a row (median of 5 replays);
+        flush: zero the L2-sized buffer before each replay."""
+
         def all_layers() -> None:
             for _ in range(rounds):
                 for f in fns:
@@ -192,7 +195,8 @@ class Timer:
         g = capture_graph(all_layers)
         times = []
         for _ in range(5):
-            self.flush.zero_()
+            if flush:
+                self.flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             g.replay()

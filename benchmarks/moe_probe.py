@@ -16,7 +16,6 @@ the kernels' instruction latency and the launch chain.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -26,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.moe_bench import LAYERS, MODELS, Timer, kernel_times, random_experts
-from nibble.bench.gpu_timing import capture_graph
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.kernels._triton import tl, triton
 from nibble.kernels.fused_moe import fused_moe_launch
@@ -52,25 +50,7 @@ def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, 
     tl.store(out_ptr + pid * ROWS * 16 + r[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
 
 
-def _stream_us(fns: list, rounds: int = 5) -> float:
-    def all_layers() -> None:
-        for _ in range(rounds):
-            for f in fns:
-                f()
-
-    g = capture_graph(all_layers)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (rounds * len(fns)))
-    return statistics.median(times)
-
-
-def read_probe(ceil: float) -> None:
+def read_probe(timer: Timer, ceil: float) -> None:
     dev = torch.device("cuda")
     # (name, rows of all programs, K units, rows per program, units per step, warps, stages)
     shapes = [("gate_up 122B T=1", 8 * 2048, 3072 // 4, 32, 64, 2, 4),
@@ -87,17 +67,16 @@ def read_probe(ceil: float) -> None:
                 out = torch.empty(r2 // rpp * rpp * 16, dtype=torch.float32, device=dev)
                 fns = [partial(_read_kernel[(r2 // rpp,)], v, out, k2, ROWS=rpp, BU=bu, TILED=tiled,
                                num_warps=warps, num_stages=stages) for v in views]
-                us = _stream_us(fns)
+                us = timer.stream_us(fns, flush=False)
                 tb = nbytes / (us * 1e-6) / 1e12
                 print(f"read:{'tiled' if tiled else 'rows '} {name:18} split {split}  {r2 // rpp:6d} programs "
                       f"{us:7.2f} us  {tb:5.2f} TB/s  {100 * tb / ceil:4.0f}%", flush=True)
 
 
-def layer_probe(models: list[str], tokens: list[int], ceil: float) -> None:
+def layer_probe(timer: Timer, models: list[str], tokens: list[int], ceil: float) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(dev)
     gen.manual_seed(0)
-    timer = Timer(10)
     for model in models:
         m = MODELS[model]
         h, e, k = m["hidden"], m["experts"], m["top_k"]
@@ -110,7 +89,7 @@ def layer_probe(models: list[str], tokens: list[int], ceil: float) -> None:
             fns = [partial(fused_moe_launch, x, w, ids, s) for s in stacks]
             us = timer.stream_us(fns)
             one = torch.zeros_like(ids)
-            l2 = _stream_us([partial(fused_moe_launch, x, w, one, stacks[0])] * LAYERS)
+            l2 = timer.stream_us([partial(fused_moe_launch, x, w, one, stacks[0])] * LAYERS, flush=False)
             print(f"{model} T={t}: stream {us:7.1f} us ({100 * nbytes / (us * 1e-6) / 1e12 / ceil:4.0f}% of copy)  "
                   f"l2 (one expert) {l2:7.1f} us", flush=True)
             for kname, kus in kernel_times(fns[0]).items():
@@ -126,8 +105,9 @@ def main() -> None:
         sys.exit("benchmarks/moe_probe.py needs a CUDA GPU")
     ceil = measure_copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e12
     print(f"copy ceiling {ceil:.2f} TB/s", flush=True)
-    read_probe(ceil)
-    layer_probe(args.models.split(","), [int(t) for t in args.tokens.split(",")], ceil)
+    timer = Timer(10)
+    read_probe(timer, ceil)
+    layer_probe(timer, args.models.split(","), [int(t) for t in args.tokens.split(",")], ceil)
 
 
 if __name__ == "__main__":

@@ -57,15 +57,13 @@ def main() -> int:
             return torch.cuda
 
     driver.set_active(StandInDriver())
-    compiled: list[tuple[str, object]] = []
-    launched_by: dict[int, str] = {}  # id(kernel) -> the first `attempt` that compiled it
+    compiled: list[tuple[str, object, str]] = []  # (kernel name, compiled kernel, the `attempt` that launched it)
     current = {"attempt": ""}
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
-        launched_by.setdefault(id(kernel), current["attempt"])
+        compiled.append((self.fn.__name__, kernel, current["attempt"]))
         return kernel
 
     JITFunction.run = compile_only
@@ -185,7 +183,7 @@ def main() -> int:
         seen = set()
         limit = SMEM_LIMIT_KB.get(cc, 99)
         print(f"\nsm_{cc}: {len(compiled) - start} launches compiled")
-        for name, kernel in compiled[start:]:
+        for name, kernel, _ in compiled[start:]:
             md = kernel.metadata
             key = (name, md.shared, md.num_warps, md.num_stages)
             if key in seen:
@@ -197,7 +195,7 @@ def main() -> int:
             print(f"  {name:28} warps={md.num_warps} stages={md.num_stages} shared={md.shared / 1024:6.1f} KB"
                   + ("  OVER LIMIT" if over else ""))
         if scan_ptxas and cc == 90:
-            _scan_ptxas([(name, kernel, launched_by.get(id(kernel), "")) for name, kernel in compiled[start:]])
+            _scan_ptxas(compiled[start:])
     print(f"\n{len(errors)} errors")
     for name, err in errors:
         print(f"  {name}: {err}")
