@@ -185,7 +185,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         slots = 4 if xmode == QUAD else 16
         xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl) if staged else x
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
-            xs, u13, s13, g13, act, flat, flat, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
+            xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
             EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
             **_pdl_launch(pdl and staged))
@@ -200,7 +200,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         sem = _semaphores(x.device, t * tiles) if mode == "fused" else None
         y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
         moe_w4_down_kernel[(t * top_k, tiles)](
-            act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, flat, flat, h, inter,
+            act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
             BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw)
@@ -221,7 +221,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
         al = moe_align(ids_c, e, slots)
-        blk = (al.sorted_ids, al.block_expert, al.expert_start, al.expert_count)
+        blk = (al.sorted_ids, al.block_expert)
         flat = ids_c.view(-1)
         xs = x[c0:c1]
         if buf is not None:

@@ -4,9 +4,9 @@ Pair p = t * top_k + j routes token t to expert topk_ids[t, j]. The pairs of eac
 contiguously in `sorted_ids`, each expert's segment starting at a multiple of BLOCK_M, so that every
 BLOCK_M-row block of the grouped GEMM belongs to one expert (`block_expert`, -1 past the end). Buffers are
 sized for the worst case (every expert hit leaves a partly filled block), so the host never needs the
-counts. Padding entries of `sorted_ids` are left unwritten: the GEMMs mask rows past
-`expert_start + expert_count` instead. Order inside an expert segment depends on atomics, which is
-harmless: each pair's result lands in its own row, so outputs do not depend on it.
+counts. Padding entries inside an expert's last block hold -1 (so one read of `sorted_ids` tells a block's
+pairs from its padding); entries past the last block are left unwritten. Order inside an expert segment
+depends on atomics, which is harmless: each pair's result lands in its own row, so outputs do not depend on it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
 
 
 @triton.jit
-def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
+def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
           BLOCK_E: tl.constexpr, FILL: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
@@ -62,6 +62,9 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M: t
     tl.store(start_ptr + e, start_blk * BLOCK_M, mask=emask)
     for i in range(0, tl.max(nblk, axis=0)):
         tl.store(block_expert_ptr + start_blk + i, e, mask=emask & (i < nblk))
+    # -1 in each expert's padding rows: a block's pairs are then known from one read of sorted_ids
+    for i in range(0, BLOCK_M - 1):
+        tl.store(sorted_ptr + start_blk * BLOCK_M + c + i, -1, mask=emask & (c + i < nblk * BLOCK_M))
     total = tl.sum(nblk, axis=0)
     f = tl.arange(0, FILL)
     for b0 in range(total, max_blocks, FILL):
@@ -88,7 +91,7 @@ def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_p
     mask = offs < n_pairs
     _count(ids_ptr, counts_ptr, rank_ptr, offs, mask)
     tl.debug_barrier()
-    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
     tl.debug_barrier()
     _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
 
@@ -100,9 +103,9 @@ def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n_pairs, BLOCK_P: tl.constexpr)
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
+def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_E: tl.constexpr, FILL: tl.constexpr):
-    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
 
 
 @triton.jit
@@ -140,7 +143,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         block_p = 1024
         grid = (cdiv(n_pairs, block_p),)
         _count_kernel[grid](topk_ids, counts, rank, n_pairs, BLOCK_P=block_p, num_warps=4)
-        _scan_kernel[(1,)](counts, start, block_expert, num_experts, max_blocks, BLOCK_M=block_m,
+        _scan_kernel[(1,)](counts, start, block_expert, sorted_ids, num_experts, max_blocks, BLOCK_M=block_m,
                            BLOCK_E=block_e, FILL=fill, num_warps=4)
         _scatter_kernel[grid](topk_ids, rank, start, sorted_ids, n_pairs, BLOCK_P=block_p, num_warps=4)
     return MoEAlignment(sorted_ids, block_expert, start, counts, block_m)

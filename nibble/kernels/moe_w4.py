@@ -45,19 +45,19 @@ XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
 @triton.jit
-def _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED: tl.constexpr,
-           SLOTS: tl.constexpr, REP: tl.constexpr):
+def _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED: tl.constexpr, SLOTS: tl.constexpr, REP: tl.constexpr):
     """(expert, pair [SLOTS * REP], valid [SLOTS * REP]) of this program's block; entry i is token slot
-    i // REP. Expert < 0: nothing to do."""
+    i // REP. Expert < 0: nothing to do. Sorted mode reads the block's expert and its sorted_ids entries side
+    by side, padding entries holding -1 (`moe_align`): one memory round trip before the first tile can be
+    asked for, where bounding the block by its expert's start + count took two more (0.8-2% of the layer's
+    time at 8-256 tokens, docs/benchmarks.md)."""
     pid = tl.program_id(0)
     slot = tl.arange(0, SLOTS * REP) // REP
     if SORTED:
         e = tl.load(block_expert_ptr + pid)
-        ec = tl.maximum(e, 0)
-        end = tl.load(start_ptr + ec) + tl.load(count_ptr + ec)
-        rows = pid * SLOTS + slot
-        valid = (rows < end) & (e >= 0)
-        pair = tl.load(sorted_ptr + rows, mask=valid, other=0)
+        pair = tl.load(sorted_ptr + pid * SLOTS + slot)
+        valid = (pair >= 0) & (e >= 0)
+        pair = tl.where(valid, pair, 0)
     else:
         e = tl.load(ids_ptr + pid)
         valid = slot == 0
@@ -66,15 +66,14 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED: 
 
 
 @triton.jit
-def _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED: tl.constexpr, SLOTS: tl.constexpr):
-    """(pair [SLOTS], ok [SLOTS]) the epilogue writes: the block's sorted pairs of expert e that exist, or
-    pair = program 0 in slot 0 alone (pairs mode)."""
+def _out_pairs(sorted_ptr, SORTED: tl.constexpr, SLOTS: tl.constexpr):
+    """(pair [SLOTS], ok [SLOTS]) the epilogue writes: the block's sorted pairs that exist (-1 padding
+    excluded), or pair = program 0 in slot 0 alone (pairs mode)."""
     sl = tl.arange(0, SLOTS)
     if SORTED:
-        pid = tl.program_id(0)
-        end = tl.load(start_ptr + e) + tl.load(count_ptr + e)
-        ok = pid * SLOTS + sl < end
-        pr = tl.load(sorted_ptr + pid * SLOTS + sl, mask=ok, other=0)
+        pr = tl.load(sorted_ptr + tl.program_id(0) * SLOTS + sl)
+        ok = pr >= 0
+        pr = tl.where(ok, pr, 0)
     else:
         ok = sl == 0
         pr = tl.program_id(0) + sl * 0
@@ -98,9 +97,9 @@ def _act_col(n, inter, ACT_PERM: tl.constexpr):
 
 
 @triton.jit
-def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, start_ptr,
-                          count_ptr, top_k, hidden, inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn,
-                          stride_at, SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
+def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, top_k, hidden,
+                          inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn, stride_at,
+                          SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
                           PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
@@ -113,7 +112,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     sorted blocks are older, so they are read before the wait); PDL_TRIGGER: the down kernel is."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
-    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
+    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
             n0 = tl.program_id(1) * BLOCK_N
@@ -132,7 +131,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     q_rows = q_ptr + e64 * stride_qe + rows * stride_qn
     s_rows = s_ptr + e64 * stride_se + rows * stride_sn
     b_ptr = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)  # before the K loop, as in down
+    # before the K loop, as in down
+    pr, ok = _out_pairs(sorted_ptr, SORTED, SLOTS)
     acc0 = tl.zeros([2 * BLOCK_N, NCOL], tl.float32)
     acc1 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
@@ -154,8 +154,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
 
 @triton.jit
 def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, topk_w_ptr, ids_ptr, sorted_ptr,
-                       block_expert_ptr, start_ptr, count_ptr, hidden, inter, stride_at, stride_qe, stride_qn,
-                       stride_se, stride_sn, stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
+                       block_expert_ptr, hidden, inter, stride_at, stride_qe, stride_qn, stride_se, stride_sn,
+                       stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
                        SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
                        X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
@@ -170,7 +170,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     counter to 0 (so it is zero again for the next call). A token without live pairs gets zeros."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
-    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, SORTED, SLOTS, REP)
+    e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PREFETCH:
         if e >= 0:
@@ -198,7 +198,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     b_ptr = act_ptr + pair.to(tl.int64) * stride_at
     # the output pairs and routing weights are read before the K loop: read after it, ptxas serialised every
     # wgmma of the Hopper quad-mode loop (its advisory C7515)
-    pr, ok = _out_pairs(e, sorted_ptr, start_ptr, count_ptr, SORTED, SLOTS)
+    pr, ok = _out_pairs(sorted_ptr, SORTED, SLOTS)
     tw = tl.load(topk_w_ptr + pr, mask=ok, other=0.0)
     acc0 = tl.zeros([BLOCK_N, NCOL], tl.float32)
     acc1 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
