@@ -52,6 +52,15 @@ stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decod
   run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "^auto" \
     --out "$OUT/moepdl.json"
 }
+stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3
+  run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
+    --only "^auto(:byte-permute)?$" --out "$OUT/moepair.json"
+}
+stage_moepairtile() {  # quad-4 / quad-8 / split-16 tiles with DEC 4 at 2-8 pairs per expert
+  run moepairtile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
+    --only "^srt:quad4/gu32x256w4s4/dn64x256w4s4$|^srt:quad8/gu32x256w4s4/dn64x256w4s4$|^srt:split16/gu(64x256w8|32x256w4)s4/dn64x256w4s4$" \
+    --out "$OUT/moepairtile.json"
+}
 stage_moeprobe() {  # where the time of a small-T layer goes (benchmarks/moe_probe.py)
   run moeprobe 150 python3 benchmarks/moe_probe.py --models 122B,397B --tokens 1,2,4
 }

@@ -111,7 +111,7 @@ def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tupl
 def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
     out = [("auto", "auto", {}), ("auto:no-pdl", "auto", {"pdl": False}),
            ("auto:dn-prefetch", "auto", {"dn_prefetch": True}), ("auto:gu-prefetch", "auto", {"gu_prefetch": True}),
-           ("auto:shift-decode", "auto", {"cvt_decode": False})]
+           ("auto:shift-decode", "auto", {"cvt_decode": False}), ("auto:byte-permute", "auto", {"pair_decode": False})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
         return out

@@ -106,6 +106,13 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # weight including the scale multiply. The MMA then runs in fp16, so bf16 activations are staged as
 # fp16 * 2^-F16_X_SHIFT (`moe_w4.stage_x`): finite up to ~1e6 (beyond, they saturate), 11 significant bits
 # from 2^-10 up (bf16 has 8), an absolute resolution of 2^-20 below.
+#
+# DEC 4 is DEC 3 without the byte permute (`_decode_pairs_asm`), one instruction fewer per 8 weights: a
+# register pair of output t then holds codes 2 apart within one unit, so element u of output t is code
+# 8 (u // 2) + pairs_perm(4 (u % 2) + t) of the row instead of code 4u + t, pairs_perm swapping bits 1 and 2
+# of the position within each group of 8 (an involution). Any K order of the dot works as long as the
+# activations follow it: they are staged with that swap (`moe_w4.stage_x` PAIRS, and gate_up writes act
+# the same way), and then quad and split mode read them exactly as for DEC 3.
 
 
 def fp4_units(q: torch.Tensor) -> torch.Tensor:
@@ -172,16 +179,33 @@ def _decode_cvt_asm() -> str:
     return "\n".join([*lines, "}"])
 
 
+def _decode_pairs_asm() -> str:
+    """PTX (sm_89+) of DEC 4: `_decode_cvt_asm` without its byte permute. Each e4m3 byte then holds the code
+    its source byte held, so the four outputs pair codes of one unit instead of codes 16 bits apart: $0 =
+    (code 0, code 2), $1 = (code 1, code 3) of the word's first unit, $2 / $3 the same for its second unit
+    (output t, element 2v + i = code c(t, i) of the word, c = 4 * (t // 2) + 2 * i + t % 2); the
+    activations are staged in the matching order (see above)."""
+    lines = ["{", ".reg .b32 s, a, e, o, r, m;", ".reg .b16 l, h;", "mov.b32 m, 0x1C1C1C1C;",
+             "and.b32 s, $4, 0x88888888;", "shr.b32 a, $4, 2;", "lop3.b32 o, a, s, m, 0xE4;",
+             "shl.b32 a, $4, 2;", "shl.b32 s, s, 4;", "lop3.b32 e, a, s, m, 0xE4;"]
+    for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
+        lines.append(f"mov.b32 {{l, h}}, {word};")
+        for half, t in (("l", t_lo), ("h", t_hi)):
+            lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
+    return "\n".join([*lines, "}"])
+
+
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None
 DECODE_F16 = tl.constexpr(_decode_asm(9, 0x0E000E00, "f16x2")) if tl is not None else None
 DECODE_F16_CVT = tl.constexpr(_decode_cvt_asm()) if tl is not None else None
+DECODE_F16_PAIRS = tl.constexpr(_decode_pairs_asm()) if tl is not None else None
 
 
 @triton.jit
 def fp4_acc_scale(DEC: tl.constexpr, X_SHIFT: tl.constexpr):
     """What fp32 accumulators of `fp4_decode4` tiles are multiplied by (with the global scale): the
     decode's 2^8 (2^6 for DEC 3) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
-    if DEC == 3:
+    if DEC >= 3:
         return 64.0 * (1 << X_SHIFT)
     else:
         return 256.0 * (1 << X_SHIFT)
@@ -228,6 +252,11 @@ def fp4_decode4(q, s, DEC: tl.constexpr):
     elif DEC == 3:
         sc = _expand_scale(s.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT, "=r,=r,=r,=r,r,r", [q, sc],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    elif DEC == 4:
+        sc = _expand_scale(s.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_PAIRS, "=r,=r,=r,=r,r,r", [q, sc],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     else:

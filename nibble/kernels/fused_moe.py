@@ -11,15 +11,16 @@ small extra launch; "fused" = done by the down kernel's last program per token a
 "token" = a per-token down kernel that loops over the k experts). `xmode` picks how the activations meet
 the weights' stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per
 block of the sorted path, `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
-fp16 (fp4_tiles.py, DEC 3). Dense experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM
-(moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4
-baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
-intermediate.
+fp16 (fp4_tiles.py, DEC 3; DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense
+experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which
+`generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4 baseline, kept for comparison).
+Very large batches run in token chunks to bound the [pairs, H] intermediate.
 
-Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.23 TB/s; docs/benchmarks.md),
-with the H200 table's choices, the converter decode, PDL and the L2 prefetch of down's weights: 122B-A10B layer
-T=1 26.4 us (first generation: 50.5), T=8 117 (372), T=32 295 (917), T=128 556 (2202), T=2048 1.77 ms (8.6 ms);
-397B-A17B T=16-64 71-73% of copy bandwidth (566 us at T=32).
+Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.23 TB/s;
+docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
+and the L2 prefetch of down's weights: 122B-A10B layer T=1 25.6 us (first generation: 50.5), T=8 103 (372),
+T=32 281 (917), T=128 545 (2202), T=2048 1.77 ms (8.6 ms, before DEC 4); 397B-A17B T=8-64 72-77% of copy
+bandwidth (545 us at T=32).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
     # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
     # the same way), the kernels' epilogues multiply the shift back
-    adt = torch.float16 if dec == 3 else x.dtype
+    adt = torch.float16 if dec >= 3 else x.dtype
     xsh = F16_X_SHIFT if adt != x.dtype else 0
     gbn, dbn = cfg["gu_block_n"], cfg["dn_block_n"]
     gbk, g_stages = tile_for_dec(dec, cfg["gu_block_k"], cfg["gu_stages"])
@@ -183,11 +184,12 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         flat = ids.view(-1)
         xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
         slots = 4 if xmode == QUAD else 16
-        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl) if staged else x
+        dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
+        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
-            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, DEC=dec,
-            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
+            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
+            DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
             **_pdl_launch(pdl and staged))
         mode = cfg["dn_mode"]
         if mode == "token":
@@ -211,6 +213,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     xmode = XMODES[cfg["xmode"]]
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT
+    dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
     # the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise
     slots = max(cfg["block_t"], 4 if xmode == QUAD else 16)
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
@@ -225,11 +228,13 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         flat = ids_c.view(-1)
         xs = x[c0:c1]
         if buf is not None:
-            xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=buf[:c1 - c0], pdl_trigger=pdl)
+            xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=buf[:c1 - c0], pdl_trigger=pdl,
+                          pairs=dec == 4)
         moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
-            act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, DEC=dec, EVEN_K=h % gbk == 0,
-            SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw, **_pdl_launch(pdl and buf is not None))
+            act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, ACT_PAIRS=dec == 4, DEC=dec,
+            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
+            **_pdl_launch(pdl and buf is not None))
         moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
             act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
             y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
@@ -237,6 +242,14 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             PDL_TRIGGER=pdl, **dpdl, **dkw)
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
+
+
+def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:
+    """DEC 4 (the converter decode without its byte permute, fp4_tiles.py) in quad and split mode where the
+    activations are staged anyway (bf16 -> fp16), so can be staged in the order it needs: x by `stage_x`,
+    act by gate_up's row order (tuning field `pair_decode`, default on)."""
+    ok = staged and xmode in (QUAD, SPLIT) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
+    return 4 if dec == 3 and ok and cfg.get("pair_decode", True) else dec
 
 
 def _pdl_launch(on: bool) -> dict[str, Any]:

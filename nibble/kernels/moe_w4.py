@@ -88,6 +88,12 @@ def _prefetch_expert_rows(q_ptr, s_ptr, e, first_row, num_rows, stride_qe, strid
 
 
 @triton.jit
+def pairs_col(k):
+    """Column of element k in an activation row staged for DEC 4 (fp4_tiles.py): bits 1 and 2 swapped."""
+    return (k & ~6) | ((k & 2) << 1) | ((k & 4) >> 1)
+
+
+@triton.jit
 def _act_col(n, inter, ACT_PERM: tl.constexpr):
     """Column of feature n in the activation buffer: natural, or permuted for a PERM-mode consumer."""
     if ACT_PERM:
@@ -99,17 +105,18 @@ def _act_col(n, inter, ACT_PERM: tl.constexpr):
 @triton.jit
 def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, top_k, hidden,
                           inter, stride_xt, stride_qe, stride_qn, stride_se, stride_sn, stride_at,
-                          SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr,
+                          SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr, ACT_PAIRS: tl.constexpr,
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
                           PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
-    act: [pairs, I] (ACT_PERM: permuted rows). X_SHIFT: x holds activations * 2^-X_SHIFT, and act is
-    written the same way (fp16 staging of bf16 activations, see `stage_x`). PREFETCH: first ask for the
-    program's weight rows in L2 (pdl.py); PDL_WAIT: launched with PDL right after `stage_x` (ids and the
-    sorted blocks are older, so they are read before the wait); PDL_TRIGGER: the down kernel is."""
+    act: [pairs, I] (ACT_PERM: permuted rows; ACT_PAIRS: in DEC 4's order, BLOCK_N and I multiples of 8).
+    X_SHIFT: x holds activations * 2^-X_SHIFT, and act is written the same way (fp16 staging of bf16
+    activations, see `stage_x`). PREFETCH: first ask for the program's weight rows in L2 (pdl.py); PDL_WAIT:
+    launched with PDL right after `stage_x` (ids and the sorted blocks are older, so they are read before the
+    wait); PDL_TRIGGER: the down kernel is."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
@@ -126,7 +133,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     e64 = e.to(tl.int64)
     # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
     r = tl.arange(0, 2 * BLOCK_N)
-    n_r = tl.minimum(tl.program_id(1) * BLOCK_N + r % BLOCK_N, inter - 1)  # clamped rows: results not stored
+    n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    if ACT_PAIRS:
+        # tile row r computes feature pairs_col(n): stored in column n, it lands where DEC 4 wants it
+        # (pairs_col is an involution within groups of 8), and the epilogue keeps its natural addresses
+        n_r = pairs_col(n_r)
+    n_r = tl.minimum(n_r, inter - 1)  # clamped rows: results not stored
     rows = (n_r + (r // BLOCK_N) * inter).to(tl.int64)
     q_rows = q_ptr + e64 * stride_qe + rows * stride_qn
     s_rows = s_ptr + e64 * stride_se + rows * stride_sn
@@ -294,9 +306,10 @@ def _f16_range(v):
 
 @triton.jit
 def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.constexpr, PERMUTE: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
+                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
-    order of `fp4_decode4`, PERM mode), else c(k) = k. PDL_TRIGGER: gate_up is launched with PDL."""
+    order of `fp4_decode4`, PERM mode), c(k) = `pairs_col`(k) with PAIRS (DEC 4), else c(k) = k.
+    PDL_TRIGGER: gate_up is launched with PDL."""
     pdl_handoff(PDL_TRIGGER, False)
     m = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -307,19 +320,23 @@ def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.conste
         v = _f16_range(v.to(tl.float32) * (1.0 / (1 << X_SHIFT)))
     if PERMUTE:
         col = t[None, :] * (n_k // 4) + u[:, None]
+    elif PAIRS:
+        col = pairs_col(4 * u[:, None] + t[None, :])
     else:
         col = 4 * u[:, None] + t[None, :]
     tl.store(out_ptr + m * stride_ot + col, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
-            out: torch.Tensor | None = None, pdl_trigger: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None, pdl_trigger: bool = False, pairs: bool = False) -> torch.Tensor:
     """x [T, K] -> [T, K] of `dtype` (`out` if given, else new) holding x * 2^-x_shift, columns in
-    `fp4_decode4`'s slice order if permute (K a multiple of 4). pdl_trigger: the next kernel is launched
-    with PDL (sm_90+ only)."""
+    `fp4_decode4`'s slice order if permute (K a multiple of 4), or in DEC 4's order if pairs (K a multiple
+    of 8). pdl_trigger: the next kernel is launched with PDL (sm_90+ only)."""
     t, k = x.shape
-    if k % 4:
-        raise ValueError(f"stage_x: K = {k} is not a multiple of 4")
+    if k % 4 or (pairs and k % 8):
+        raise ValueError(f"stage_x: K = {k} is not a multiple of {8 if pairs else 4}")
+    if permute and pairs:
+        raise ValueError("stage_x: permute and pairs are two different orders")
     if out is None:
         out = torch.empty((t, k), dtype=dtype, device=x.device)
     elif out.shape != (t, k) or out.dtype != dtype or out.stride(1) != 1:
@@ -328,6 +345,6 @@ def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
     if t:
         block = 256
         stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
-                                                 PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger,
+                                                 PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger, PAIRS=pairs,
                                                  num_warps=4)
     return out

@@ -138,21 +138,27 @@ def test_fused_moe_rejects_bad_shapes() -> None:
         fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int64), experts)
 
 
-@pytest.mark.parametrize("permute", [True, False])
-def test_stage_x(permute: bool) -> None:
+@pytest.mark.parametrize("order", ["natural", "permute", "pairs"])
+def test_stage_x(order: str) -> None:
     """fp16 staging of activations (the e4m3-converter decode's MMA input): x * 2^-shift in fp16, values
-    past the fp16 range saturating, columns in the stride-4 slice order on request; K off the block size."""
+    past the fp16 range saturating, columns in the stride-4 slice order or in DEC 4's order (bits 1 and 2
+    of the position within each group of 8 swapped) on request; K off the block size."""
     t, k, shift = 3, 4 * 70, 4
+    permute, pairs = order == "permute", order == "pairs"
     x = torch.randn(t, k, dtype=torch.bfloat16) * 100
     x[0, 5] = 3e6  # beyond 65504 * 2^4: saturates instead of becoming inf
     x[1, 6] = -2e5  # beyond fp16, within the staged range
-    out = stage_x(x, torch.float16, shift, permute)
+    out = stage_x(x, torch.float16, shift, permute, pairs=pairs)
     ref = (x.float() / 2 ** shift).clamp(-65504, 65504).to(torch.float16)
     if permute:
         ref = ref.view(t, k // 4, 4).transpose(1, 2).reshape(t, k)
+    if pairs:
+        ref = ref.view(t, k // 8, 2, 2, 2).transpose(2, 3).reshape(t, k)
     assert torch.equal(out, ref)
     assert torch.equal(stage_x(x, torch.bfloat16, 0, False), x)
     into = torch.empty(t, k, dtype=torch.float16)
-    assert stage_x(x, torch.float16, shift, permute, out=into) is into and torch.equal(into, out)
+    assert stage_x(x, torch.float16, shift, permute, out=into, pairs=pairs) is into and torch.equal(into, out)
     with pytest.raises(ValueError, match="out must be"):
         stage_x(x, torch.float16, shift, permute, out=torch.empty(t, k, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        stage_x(x[:, :k - 4], torch.float16, shift, False, pairs=True)
