@@ -107,10 +107,10 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # fp16 * 2^-F16_X_SHIFT (`moe_w4.stage_x`): finite up to ~1e6 (beyond, they saturate), 11 significant bits
 # from 2^-10 up (bf16 has 8), an absolute resolution of 2^-20 below.
 #
-# DEC 4 is DEC 3 without the byte permute (`_decode_pairs_asm`), one instruction fewer per 8 weights: a
-# register pair of output t then holds codes 2 apart within one unit, so element u of output t is code
-# 8 (u // 2) + pairs_perm(4 (u % 2) + t) of the row instead of code 4u + t, pairs_perm swapping bits 1 and 2
-# of the position within each group of 8 (an involution). Any K order of the dot works as long as the
+# DEC 4 is DEC 3 without the byte permute (`_decode_cvt_asm(permute=False)`), one instruction fewer per 8
+# weights: a register pair of output t then holds codes 2 apart within one unit, so element u of output t is
+# code 8 (u // 2) + pairs_col(4 (u % 2) + t) of the row instead of code 4u + t, `moe_w4.pairs_col` swapping
+# bits 1 and 2 of the position within each group of 8 (an involution). Any K order of the dot works as long as the
 # activations follow it: they are staged with that swap (`moe_w4.stage_x` PAIRS, and gate_up writes act
 # the same way), and then quad and split mode read them exactly as for DEC 3.
 
@@ -160,34 +160,27 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
     return "\n".join([*lines, "}"])
 
 
-def _decode_cvt_asm() -> str:
+def _decode_cvt_asm(permute: bool = True) -> str:
     """PTX (sm_89+) for the same 4 outputs as `_decode_asm`, in fp16, through the e4m3 -> f16x2 converter:
     a byte permute gathers the codes of each output pair 8 bits apart ([b0, b2, b1, b3]: low nibbles hold
     codes 0 and 2, high nibbles codes 1 and 3), and every nibble becomes an e4m3 byte, magnitude in bits
     2..4 (the bottom of the exponent: e2m1 * 2^-6 exactly, subnormal codes included) and sign in bit 7, by
     one select each (lop3 "mask ? shifted codes : sign bits"; the sign bits sit where the mask takes the
     codes or where the byte must hold the sign); one `cvt.rn.f16x2.e4m3x2` then decodes each pair. $5: the
-    fp16 block scale pair; the outputs are e2m1 * scale * 2^-6 (exact, as in `_decode_asm`)."""
-    lines = ["{", ".reg .b32 p, s, a, e, o, r, m;", ".reg .b16 l, h;", "prmt.b32 p, $4, $4, 0x3120;",
-             "mov.b32 m, 0x1C1C1C1C;", "and.b32 s, p, 0x88888888;",
-             "shr.b32 a, p, 2;", "lop3.b32 o, a, s, m, 0xE4;",
-             "shl.b32 a, p, 2;", "shl.b32 s, s, 4;", "lop3.b32 e, a, s, m, 0xE4;"]
-    for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
-        lines.append(f"mov.b32 {{l, h}}, {word};")
-        for half, t in (("l", t_lo), ("h", t_hi)):
-            lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
-    return "\n".join([*lines, "}"])
+    fp16 block scale pair; the outputs are e2m1 * scale * 2^-6 (exact, as in `_decode_asm`).
 
-
-def _decode_pairs_asm() -> str:
-    """PTX (sm_89+) of DEC 4: `_decode_cvt_asm` without its byte permute. Each e4m3 byte then holds the code
-    its source byte held, so the four outputs pair codes of one unit instead of codes 16 bits apart: $0 =
-    (code 0, code 2), $1 = (code 1, code 3) of the word's first unit, $2 / $3 the same for its second unit
-    (output t, element 2v + i = code c(t, i) of the word, c = 4 * (t // 2) + 2 * i + t % 2); the
-    activations are staged in the matching order (see above)."""
-    lines = ["{", ".reg .b32 s, a, e, o, r, m;", ".reg .b16 l, h;", "mov.b32 m, 0x1C1C1C1C;",
-             "and.b32 s, $4, 0x88888888;", "shr.b32 a, $4, 2;", "lop3.b32 o, a, s, m, 0xE4;",
-             "shl.b32 a, $4, 2;", "shl.b32 s, s, 4;", "lop3.b32 e, a, s, m, 0xE4;"]
+    permute=False is DEC 4: no byte permute, so each e4m3 byte holds the code its source byte held and the
+    four outputs pair codes of one unit instead of codes 16 bits apart: $0 = (code 0, code 2), $1 = (code 1,
+    code 3) of the word's first unit, $2 / $3 the same for its second unit (output t, element 2v + i = code
+    c(t, i) of the word, c = 4 * (t // 2) + 2 * i + t % 2); the activations are staged in the matching order
+    (see above)."""
+    src = "p" if permute else "$4"
+    lines = ["{", f".reg .b32 {'p, ' if permute else ''}s, a, e, o, r, m;", ".reg .b16 l, h;"]
+    if permute:
+        lines.append("prmt.b32 p, $4, $4, 0x3120;")
+    lines += ["mov.b32 m, 0x1C1C1C1C;", f"and.b32 s, {src}, 0x88888888;",
+              f"shr.b32 a, {src}, 2;", "lop3.b32 o, a, s, m, 0xE4;",
+              f"shl.b32 a, {src}, 2;", "shl.b32 s, s, 4;", "lop3.b32 e, a, s, m, 0xE4;"]
     for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
         lines.append(f"mov.b32 {{l, h}}, {word};")
         for half, t in (("l", t_lo), ("h", t_hi)):
@@ -198,13 +191,13 @@ def _decode_pairs_asm() -> str:
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None
 DECODE_F16 = tl.constexpr(_decode_asm(9, 0x0E000E00, "f16x2")) if tl is not None else None
 DECODE_F16_CVT = tl.constexpr(_decode_cvt_asm()) if tl is not None else None
-DECODE_F16_PAIRS = tl.constexpr(_decode_pairs_asm()) if tl is not None else None
+DECODE_F16_PAIRS = tl.constexpr(_decode_cvt_asm(permute=False)) if tl is not None else None
 
 
 @triton.jit
 def fp4_acc_scale(DEC: tl.constexpr, X_SHIFT: tl.constexpr):
     """What fp32 accumulators of `fp4_decode4` tiles are multiplied by (with the global scale): the
-    decode's 2^8 (2^6 for DEC 3) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
+    decode's 2^8 (2^6 for DEC 3 and 4) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
     if DEC >= 3:
         return 64.0 * (1 << X_SHIFT)
     else:
@@ -238,7 +231,8 @@ def fp4_decode4(q, s, DEC: tl.constexpr):
     """Decode a unit tile. q: int16 [..., R, U] (U a multiple of 4; 2-D or 3-D); s: uint8 e4m3 block
     scales [..., R, U // 4]. Returns (w0, w1, w2, w3), each shaped like q, w_t[.., r, u] =
     e2m1(code 4u + t) * scale[.., r, u // 4] * 2^-8, in bf16 (DEC 1, inline PTX), fp16 (DEC 2, inline PTX)
-    or fp32 (DEC 0, plain Triton); DEC 3: fp16 through the e4m3 converter (sm_89+), times 2^-6."""
+    or fp32 (DEC 0, plain Triton); DEC 3: fp16 through the e4m3 converter (sm_89+), times 2^-6; DEC 4: as
+    DEC 3 without its byte permute, code 4u + t replaced by the code of DEC 4's K order (see above)."""
     if DEC == 1:
         sc = _expand_scale(_e4m3_times(s, 2.0 ** (118 + 8)).to(tl.bfloat16), q)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [q, sc],
@@ -249,14 +243,10 @@ def fp4_decode4(q, s, DEC: tl.constexpr):
         w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16, "=r,=r,=r,=r,r,r", [q, sc],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
-    elif DEC == 3:
+    elif DEC >= 3:
         sc = _expand_scale(s.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT, "=r,=r,=r,=r,r,r", [q, sc],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
-    elif DEC == 4:
-        sc = _expand_scale(s.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_PAIRS, "=r,=r,=r,=r,r,r", [q, sc],
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT if DEC == 3 else DECODE_F16_PAIRS,
+                                                   "=r,=r,=r,=r,r,r", [q, sc],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)
     else:
