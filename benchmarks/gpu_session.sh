@@ -56,6 +56,10 @@ stage_moepair() {  # the table's choice with DEC 4 (converter decode without the
   run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
     --only "^auto(:byte-permute)?$" --out "$OUT/moepair.json"
 }
+stage_moemixed() {  # quad-4 blocks for experts with few pairs, split-16 for the others, against the table
+  run moemixed 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 32,64,128,256,512 \
+    --only "^auto$|^mix" --out "$OUT/moemixed.json"
+}
 stage_moepairtile() {  # quad-4 / quad-8 / split-16 tiles with DEC 4 at 2-8 pairs per expert
   run moepairtile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
     --only "^srt:quad4/gu32x256w4s4/dn64x256w4s4$|^srt:quad8/gu32x256w4s4/dn64x256w4s4$|^srt:split16/gu(64x256w8|32x256w4)s4/dn64x256w4s4$" \

@@ -92,6 +92,20 @@ SORTED = [
     _srt("perm", 32, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("split", 32, (64, 128, 8, 3), (64, 128, 8, 3)),
 ]
+def _mixed(split: int, q: tuple, lg: tuple) -> tuple[str, dict]:
+    """Quad-4 blocks for experts with up to `split` pairs, split-16 blocks (one decode for all their tokens)
+    for the others."""
+    name = f"mix{split}:quad4/gu{q[0][0]}x{q[0][1]}w{q[0][2]}/dn{q[1][0]}x{q[1][1]}w{q[1][2]}" \
+           f"+split16/gu{lg[0][0]}x{lg[0][1]}w{lg[0][2]}/dn{lg[1][0]}x{lg[1][1]}w{lg[1][2]}"
+    cfg = {"xmode": "quad", "block_t": 4, **_t(*q[0], "gu"), **_t(*q[1], "dn"), "mixed_max_pairs": split,
+           "lg_xmode": "split", "lg_block_t": 16}
+    cfg.update({f"lg_{k}": v for k, v in {**_t(*lg[0], "gu"), **_t(*lg[1], "dn")}.items()})
+    return name, cfg
+
+
+_Q4, _S16 = ((32, 256, 4, 4), (64, 256, 4, 4)), ((64, 256, 8, 4), (64, 256, 4, 4))
+MIXED = [_mixed(4, _Q4, _S16), _mixed(3, _Q4, _S16), _mixed(6, _Q4, _S16), _mixed(8, _Q4, _S16),
+         _mixed(4, _Q4, ((32, 256, 4, 4), (64, 256, 4, 4)))]
 PREFILL = [
     _srt("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
     _srt("perm", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
@@ -111,8 +125,11 @@ def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tupl
 def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
     out = [("auto", "auto", {}), ("auto:no-pdl", "auto", {"pdl": False}),
            ("auto:dn-prefetch", "auto", {"dn_prefetch": True}), ("auto:gu-prefetch", "auto", {"gu_prefetch": True}),
-           ("auto:shift-decode", "auto", {"cvt_decode": False}), ("auto:byte-permute", "auto", {"pair_decode": False})]
+           ("auto:shift-decode", "auto", {"cvt_decode": False}), ("auto:byte-permute", "auto", {"pair_decode": False}),
+           ("auto:no-mixed", "auto", {"mixed_max_pairs": 0})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
+    if 32 <= t <= 512:
+        out += [(name, "sorted", cfg) for name, cfg in MIXED]
     if not sweep or (isinstance(sweep, str) and model not in sweep.split(",")):
         return out
     if t <= 8:

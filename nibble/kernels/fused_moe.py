@@ -4,7 +4,11 @@ reference are `moe.fused_moe_ref` (expert id -1 = a slot of another expert-paral
 Two paths, picked per call from the token count and pairs per expert (tuning tables `fused_moe` for NVFP4 experts,
 `fused_moe_dense` otherwise; host ints only, no sync, a fixed grid per T: CUDA-graph safe):
 - `gemv` (small decode batches): one block per (token, expert) pair, no sorting launch;
-- `sorted` (larger batches, prefill): pairs sorted by expert (moe_align.py) into blocks of one expert.
+- `sorted` (larger batches, prefill): pairs sorted by expert (moe_align.py) into blocks of one expert;
+  with `mixed_max_pairs` = m > 0 ("mixed"), experts with up to m pairs run the table's tile and those with
+  more the `lg_*` one (quad-4 for the first, split-16 for the second on the H200: one decode of an expert's
+  weights for up to 16 tokens, where quad-4 decodes them once per 4): one alignment launch for both, two
+  launches per GEMM.
 NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down
 with the routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one
 small extra launch; "fused" = done by the down kernel's last program per token and slice, `gemv` path only;
@@ -19,8 +23,8 @@ Very large batches run in token chunks to bound the [pairs, H] intermediate.
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.23 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
 and the L2 prefetch of down's weights: 122B-A10B layer T=1 25.6 us (first generation: 50.5), T=8 103 (372),
-T=32 281 (917), T=128 545 (2202), T=2048 1.77 ms (8.6 ms, before DEC 4); 397B-A17B T=8-64 72-77% of copy
-bandwidth (545 us at T=32).
+T=32 281 (917), T=128 517-522 with the mixed tiles (2202), T=2048 1.77 ms (8.6 ms, before DEC 4); 397B-A17B
+T=8-64 72-77% of copy bandwidth (545 us at T=32).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
 from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode, fp4_units, tile_for_dec
 from nibble.kernels.moe import MoEWeights
-from nibble.kernels.moe_align import moe_align
+from nibble.kernels.moe_align import moe_align, moe_align_split
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
 from nibble.kernels.moe_w4 import (
@@ -210,12 +214,16 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4, **rkw)
         return
-    xmode = XMODES[cfg["xmode"]]
-    if xmode == PERM and (h % 4 or inter % 4):
-        xmode = SPLIT
-    dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
-    # the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise
-    slots = max(cfg["block_t"], 4 if xmode == QUAD else 16)
+    tiles = [_sorted_tile(cfg, "", dec, h, inter)]
+    split = int(cfg.get("mixed_max_pairs", 0))
+    if split > 0:
+        # experts with up to `split` pairs run the table's tile, those with more the `lg_` one (one decode of
+        # the weights for all their tokens): two alignments, two launches per GEMM, one staging of x and act
+        large = _sorted_tile(cfg, "lg_", dec, h, inter)
+        if {tiles[0]["xmode"], large["xmode"]} <= {QUAD, SPLIT}:
+            tiles.append(large)
+    xmode = tiles[0]["xmode"]
+    dec = min(_pairs_dec(dec, tile["xmode"], staged, h, inter, tile["gbn"], cfg) for tile in tiles)
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
     act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
@@ -223,25 +231,47 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
-        al = moe_align(ids_c, e, slots)
-        blk = (al.sorted_ids, al.block_expert)
+        if len(tiles) == 2:
+            als = moe_align_split(ids_c, e, tiles[0]["slots"], tiles[1]["slots"], split)
+        else:
+            als = (moe_align(ids_c, e, tiles[0]["slots"]),)
         flat = ids_c.view(-1)
         xs = x[c0:c1]
         if buf is not None:
             xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=buf[:c1 - c0], pdl_trigger=pdl,
                           pairs=dec == 4)
-        moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, gbn))](
-            xs, u13, s13, g13, act, flat, *blk, top_k, h, inter, xs.stride(0), sq13e, sq13n, st13[2], st13[3],
-            act.stride(0), SORTED=True, XMODE=xmode, ACT_PERM=xmode == PERM, ACT_PAIRS=dec == 4, DEC=dec,
-            EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **_pdl_launch(pdl and buf is not None))
-        moe_w4_down_kernel[(al.max_blocks, cdiv(h, dbn))](
-            act, u2, s2, g2, y, out, y, tw[c0:c1], flat, *blk, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
-            y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=xmode, FUSED_SUM=False, DEC=dec,
-            EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn, BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh,
-            PDL_TRIGGER=pdl, **dpdl, **dkw)
+        # PDL only for the first launch of each GEMM: it follows a kernel of the chain before it
+        for i, (tile, al) in enumerate(zip(tiles, als)):
+            moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, tile["gbn"]))](
+                xs, u13, s13, g13, act, flat, al.sorted_ids, al.block_expert, top_k, h, inter, xs.stride(0), sq13e,
+                sq13n, st13[2], st13[3], act.stride(0), SORTED=True, XMODE=tile["xmode"], ACT_PERM=xmode == PERM,
+                ACT_PAIRS=dec == 4, DEC=dec, EVEN_K=h % tile["gbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["gbn"],
+                BLOCK_K=tile["gbk"], X_SHIFT=xsh, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
+                PREFETCH=gu_pf, PDL_TRIGGER=pdl, **_pdl_launch(pdl and buf is not None and i == 0))
+        for i, (tile, al) in enumerate(zip(tiles, als)):
+            moe_w4_down_kernel[(al.max_blocks, cdiv(h, tile["dbn"]))](
+                act, u2, s2, g2, y, out, y, tw[c0:c1], flat, al.sorted_ids, al.block_expert, h, inter, act.stride(0),
+                sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=tile["xmode"],
+                FUSED_SUM=False, DEC=dec, EVEN_K=inter % tile["dbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["dbn"],
+                BLOCK_K=tile["dbk"], ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl,
+                num_warps=tile["dwarps"], num_stages=tile["d_stages"],
+                **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
+
+
+def _sorted_tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
+    """One sorted-path tile from the tuning fields under `prefix`: x mode, token slots per block (the MMA's
+    token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise), gate_up and down
+    tiles."""
+    xmode = XMODES[cfg[f"{prefix}xmode"]]
+    if xmode == PERM and (h % 4 or inter % 4):
+        xmode = SPLIT
+    gbk, g_stages = tile_for_dec(dec, cfg[f"{prefix}gu_block_k"], cfg[f"{prefix}gu_stages"])
+    dbk, d_stages = tile_for_dec(dec, cfg[f"{prefix}dn_block_k"], cfg[f"{prefix}dn_stages"])
+    return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
+            "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
+            "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"]}
 
 
 def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:

@@ -7,6 +7,10 @@ sized for the worst case (every expert hit leaves a partly filled block), so the
 counts. Padding entries inside an expert's last block hold -1 (so one read of `sorted_ids` tells a block's
 pairs from its padding); entries past the last block are left unwritten. Order inside an expert segment
 depends on atomics, which is harmless: each pair's result lands in its own row, so outputs do not depend on it.
+
+An alignment may keep only the experts whose pair count lies in [min_count, max_count]: the others get no
+blocks and their pairs are not placed, so two alignments with complementary ranges split the experts
+between two kernels with different block shapes (fused_moe's "mixed" sorted path).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ SMALL_PAIRS = 4096
 @dataclass
 class MoEAlignment:
     """sorted_ids: int32 [max_padded] pair ids by expert; block_expert: int32 [max_blocks];
-    expert_start / expert_count: int32 [E]; block_m: rows per block."""
+    expert_start / expert_count: int32 [E] (counts of all experts, also those outside the alignment's
+    count range); block_m: rows per block."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -50,12 +55,18 @@ def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
 
 
 @triton.jit
-def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
-          BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+def _in_range(c, min_count, max_count):
+    return (c >= min_count) & (c <= max_count)
+
+
+@triton.jit
+def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
+          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
     # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
     c = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+    c = tl.where(_in_range(c, min_count, max_count), c, 0)
     nblk = tl.cdiv(c, BLOCK_M)
     end_blk = tl.cumsum(nblk, axis=0)
     start_blk = end_blk - nblk
@@ -72,9 +83,10 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks
 
 
 @triton.jit
-def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
+def _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask, min_count, max_count):
     e = tl.load(ids_ptr + offs, mask=mask, other=-1)
     mask = mask & (e >= 0)
+    mask = mask & _in_range(tl.load(counts_ptr + e, mask=mask, other=0, cache_modifier=".cg"), min_count, max_count)
     r = tl.load(rank_ptr + offs, mask=mask, other=0)
     s = tl.load(start_ptr + e, mask=mask, other=0, cache_modifier=".cg")
     tl.store(sorted_ptr + s + r, offs, mask=mask)
@@ -82,8 +94,11 @@ def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
 
 @triton.jit
 def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs,
-                        n_exp, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                        FILL: tl.constexpr):
+                        n_exp, max_blocks, min_count, max_count, start2_ptr, block_expert2_ptr, sorted2_ptr,
+                        max_blocks2, min_count2, max_count2, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, FILL: tl.constexpr, TWO: tl.constexpr):
+    """Everything in one program (decode sizes); TWO: a second alignment (the *2 arguments) from the same
+    counts."""
     e = tl.arange(0, BLOCK_E)
     tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < n_exp)
     tl.debug_barrier()
@@ -91,9 +106,15 @@ def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_p
     mask = offs < n_pairs
     _count(ids_ptr, counts_ptr, rank_ptr, offs, mask)
     tl.debug_barrier()
-    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M,
+          BLOCK_E, FILL)
+    if TWO:
+        _scan(counts_ptr, start2_ptr, block_expert2_ptr, sorted2_ptr, n_exp, max_blocks2, min_count2, max_count2,
+              BLOCK_M2, BLOCK_E, FILL)
     tl.debug_barrier()
-    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
+    _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask, min_count, max_count)
+    if TWO:
+        _scatter(ids_ptr, counts_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask, min_count2, max_count2)
 
 
 @triton.jit
@@ -103,64 +124,97 @@ def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n_pairs, BLOCK_P: tl.constexpr)
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M: tl.constexpr,
-                 BLOCK_E: tl.constexpr, FILL: tl.constexpr):
-    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, BLOCK_M, BLOCK_E, FILL)
+def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M,
+          BLOCK_E, FILL)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: tl.constexpr):
+def _scatter_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, min_count, max_count,
+                    BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)
+    _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs, min_count, max_count)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """topk_ids: int32 [T, k] (contiguous) -> MoEAlignment. One single-program launch for up to
-    SMALL_PAIRS pairs (decode), otherwise a zeroing memset and three kernels (count with atomics, scan,
-    scatter)."""
+def _buffers(n_pairs: int, num_experts: int, block_m: int, dev: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if block_m & (block_m - 1):
+        raise ValueError(f"moe_align: block_m {block_m} is not a power of two")
+    max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
+    return (torch.empty(max_padded, dtype=torch.int32, device=dev),
+            torch.empty(max_padded // block_m, dtype=torch.int32, device=dev),
+            torch.empty(num_experts, dtype=torch.int32, device=dev))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, min_count: int = 1,
+              max_count: int | None = None) -> MoEAlignment:
+    """topk_ids: int32 [T, k] (contiguous) -> MoEAlignment of the experts with min_count..max_count pairs
+    (default: every expert with pairs). One single-program launch for up to SMALL_PAIRS pairs (decode),
+    otherwise a zeroing memset and three kernels (count with atomics, scan, scatter)."""
+    return _align(topk_ids, num_experts, [(block_m, min_count, max_count)])[0]
+
+
+def moe_align_split(topk_ids: torch.Tensor, num_experts: int, block_small: int, block_large: int,
+                    split: int) -> tuple[MoEAlignment, MoEAlignment]:
+    """Two alignments from one count: the experts with 1..split pairs in blocks of block_small, those with
+    more in blocks of block_large (one launch at decode sizes instead of two)."""
+    small, large = _align(topk_ids, num_experts, [(block_small, 1, split), (block_large, split + 1, None)])
+    return small, large
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int, int | None]]
+           ) -> list[MoEAlignment]:
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"moe_align: topk_ids must be contiguous int32 [T, k], got {topk_ids.dtype} "
                          f"{tuple(topk_ids.shape)}")
-    if block_m & (block_m - 1):
-        raise ValueError(f"moe_align: block_m {block_m} is not a power of two")
     dev = topk_ids.device
     n_pairs = topk_ids.numel()
-    max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
-    max_blocks = max_padded // block_m
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    ranges = [(max(1, lo), n_pairs if hi is None else min(hi, n_pairs)) for _, lo, hi in specs]
+    bufs = [_buffers(n_pairs, num_experts, bm, dev) for bm, _, _ in specs]
     rank = torch.empty(n_pairs, dtype=torch.int32, device=dev)
     block_e = next_pow2(num_experts)
     fill = 1024
     if n_pairs <= SMALL_PAIRS:
         counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        (sorted_ids, block_expert, start), (lo, hi) = bufs[0], ranges[0]
+        two = len(specs) == 2
+        (sorted2, block_expert2, start2), (lo2, hi2) = (bufs[1], ranges[1]) if two else (bufs[0], ranges[0])
         _align_small_kernel[(1,)](
-            topk_ids, counts, rank, start, block_expert, sorted_ids, n_pairs, num_experts, max_blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)), FILL=fill, num_warps=8)
+            topk_ids, counts, rank, start, block_expert, sorted_ids, n_pairs, num_experts, block_expert.shape[0], lo,
+            hi, start2, block_expert2, sorted2, block_expert2.shape[0], lo2, hi2, BLOCK_M=specs[0][0],
+            BLOCK_M2=specs[-1][0], BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)), FILL=fill, TWO=two,
+            num_warps=8)
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         block_p = 1024
         grid = (cdiv(n_pairs, block_p),)
         _count_kernel[grid](topk_ids, counts, rank, n_pairs, BLOCK_P=block_p, num_warps=4)
-        _scan_kernel[(1,)](counts, start, block_expert, sorted_ids, num_experts, max_blocks, BLOCK_M=block_m,
-                           BLOCK_E=block_e, FILL=fill, num_warps=4)
-        _scatter_kernel[grid](topk_ids, rank, start, sorted_ids, n_pairs, BLOCK_P=block_p, num_warps=4)
-    return MoEAlignment(sorted_ids, block_expert, start, counts, block_m)
+        for (bm, _, _), (sorted_ids, block_expert, start), (lo, hi) in zip(specs, bufs, ranges):
+            _scan_kernel[(1,)](counts, start, block_expert, sorted_ids, num_experts, block_expert.shape[0], lo, hi,
+                               BLOCK_M=bm, BLOCK_E=block_e, FILL=fill, num_warps=4)
+            _scatter_kernel[grid](topk_ids, counts, rank, start, sorted_ids, n_pairs, lo, hi, BLOCK_P=block_p,
+                                  num_warps=4)
+    return [MoEAlignment(sorted_ids, block_expert, start, counts, bm)
+            for (bm, _, _), (sorted_ids, block_expert, start) in zip(specs, bufs)]
 
 
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int, min_count: int = 1,
+                  max_count: int | None = None) -> MoEAlignment:
     """Torch version of `moe_align` (stable order inside each expert), for tests."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n_pairs = flat.numel()
     counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
-    nblk = (counts + block_m - 1) // block_m
+    kept = (counts >= min_count) & (counts <= (n_pairs if max_count is None else max_count))
+    nblk = (torch.where(kept, counts, 0) + block_m - 1) // block_m
     start = (torch.cumsum(nblk, 0) - nblk) * block_m
     max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
     sorted_ids = torch.full((max_padded,), -1, dtype=torch.int32, device=dev)
     block_expert = torch.full((max_padded // block_m,), -1, dtype=torch.int32, device=dev)
     for e in range(num_experts):
+        if not kept[e]:
+            continue
         pairs = torch.nonzero(flat == e).flatten()
         s = int(start[e])
         sorted_ids[s:s + pairs.numel()] = pairs.to(torch.int32)

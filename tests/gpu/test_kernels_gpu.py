@@ -55,6 +55,10 @@ from nibble.models.quant_config import QuantConfig  # noqa: E402
 DEV = "cuda"
 BF16 = torch.bfloat16
 TOL = 2e-2
+# fused_moe's mixed sorted path: quad-4 blocks for experts with up to 9 pairs, split-16 for the others
+MIXED = {"xmode": "quad", "block_t": 4, "mixed_max_pairs": 9, "lg_xmode": "split", "lg_block_t": 16,
+         "lg_gu_block_n": 64, "lg_gu_block_k": 256, "lg_gu_warps": 8, "lg_gu_stages": 4, "lg_dn_block_n": 64,
+         "lg_dn_block_k": 256, "lg_dn_warps": 4, "lg_dn_stages": 4}
 
 _COMMON = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320, "num_attention_heads": 32,
            "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
@@ -317,8 +321,9 @@ def test_fused_moe_nvfp4_dtypes_and_skipped_experts(dtype: torch.dtype) -> None:
             ids[t // 2, :] = -1
         ref = fused_moe_ref(x.float(), w, ids, experts)
         decodes = ({"cvt_decode": True}, {"cvt_decode": True, "pair_decode": False}, {"cvt_decode": False})
-        for path in ("gemv", "sorted", "auto"):
-            for dcfg in (decodes if dtype != torch.float32 else decodes[:1]):
+        decodes = decodes if dtype != torch.float32 else decodes[:1]
+        for path, cfgs in (("gemv", decodes), ("sorted", decodes), ("auto", decodes), ("sorted", (MIXED,))):
+            for dcfg in cfgs:
                 out = fused_moe_launch(x, w, ids, experts, path=path, config=dcfg)
                 assert rel(out, ref) < (1e-3 if dtype == torch.float32 else TOL), (t, path, dcfg, rel(out, ref))
                 if t > 1:
@@ -367,12 +372,15 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
         calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
     variants = ({"pdl": True, "gu_prefetch": True, "dn_prefetch": True}, {"pdl": True, "dn_prefetch": False},
                 {"pdl": False, "gu_prefetch": True})
-    for path in ("gemv", "sorted"):
-        plain = [fused_moe_launch(*a, experts, path=path, config={"pdl": False, "dn_prefetch": False})
+    for path in ("gemv", "sorted", "mixed"):
+        extra = MIXED if path == "mixed" else {}
+        path = "sorted" if path == "mixed" else path
+        plain = [fused_moe_launch(*a, experts, path=path, config={"pdl": False, "dn_prefetch": False, **extra})
                  for a in calls]
         for (x, w, ids), p in zip(calls, plain):
             assert rel(p, fused_moe_ref(x.float(), w, ids, experts)) < TOL, (path, "plain")
         for cfg in variants:
+            cfg = {**cfg, **extra}
             eager = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
             outs: list[torch.Tensor] = []
 

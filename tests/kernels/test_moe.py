@@ -11,11 +11,15 @@ from kernel_testing import poisoned, random_nvfp4, rel_err
 from nibble.kernels import fused_moe as fm
 from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
-from nibble.kernels.moe_align import moe_align, moe_align_ref
+from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
 from nibble.kernels.moe_w4 import stage_x
 
 E, H, I, K = 6, 64, 48, 3
+# the mixed sorted path: experts with up to 2 pairs in quad-4 blocks, the others in split-16 blocks
+MIXED = {"mixed_max_pairs": 2, "lg_xmode": "split", "lg_block_t": 16, "lg_gu_block_n": 32, "lg_gu_block_k": 64,
+         "lg_gu_warps": 4, "lg_gu_stages": 2, "lg_dn_block_n": 16, "lg_dn_block_k": 32, "lg_dn_warps": 4,
+         "lg_dn_stages": 2}
 
 
 @pytest.mark.parametrize("renorm", [True, False])
@@ -35,20 +39,42 @@ def test_route_strided_logits_of_fused_projection() -> None:
     assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
 
 
-@pytest.mark.parametrize("t,block_m", [(1, 16), (9, 4), (1400, 16)])
-def test_align(t: int, block_m: int) -> None:
+@pytest.mark.parametrize("t,block_m,count_range", [(1, 16, (1, None)), (9, 4, (1, None)), (1400, 16, (1, None)),
+                                                   (9, 4, (1, 3)), (9, 16, (4, None)), (1400, 4, (1, 470))])
+def test_align(t: int, block_m: int, count_range: tuple) -> None:
+    """Blocks, starts and sorted pairs as the reference's, also for alignments keeping the experts of one
+    range of pair counts (the others get no blocks and none of their pairs is placed)."""
     ids = torch.randint(0, 9, (t, K), dtype=torch.int32)
     ids[ids == 4] = 5
     ids[ids == 7] = -1
-    al, ref = moe_align(ids, 10, block_m), moe_align_ref(ids, 10, block_m)
+    al, ref = moe_align(ids, 10, block_m, *count_range), moe_align_ref(ids, 10, block_m, *count_range)
     assert torch.equal(al.expert_count, ref.expert_count)
     assert torch.equal(al.expert_start, ref.expert_start)
     assert torch.equal(al.block_expert, ref.block_expert)
     for e in range(10):
         s, c = int(ref.expert_start[e]), int(ref.expert_count[e])
+        if not count_range[0] <= c <= (count_range[1] or t * K):
+            assert not bool((al.block_expert == e).any())
+            continue
         assert sorted(al.sorted_ids[s:s + c].tolist()) == ref.sorted_ids[s:s + c].tolist()
         padded = -(-c // block_m) * block_m  # the padding rows the kernels tell a block's end by
         assert torch.equal(al.sorted_ids[s + c:s + padded], ref.sorted_ids[s + c:s + padded])
+    placed = al.sorted_ids[:int((al.block_expert >= 0).sum()) * block_m]
+    assert sorted(placed[placed >= 0].tolist()) == sorted(ref.sorted_ids[ref.sorted_ids >= 0].tolist())
+
+
+@pytest.mark.parametrize("t", [9, 1400])
+def test_align_split(t: int) -> None:
+    """One count, two alignments: the same as two separate ones over complementary count ranges."""
+    ids = torch.randint(0, 9, (t, K), dtype=torch.int32)
+    ids[ids == 7] = -1
+    split = max(1, t * K // 12)
+    for al, ref in zip(moe_align_split(ids, 10, 4, 16, split),
+                       (moe_align_ref(ids, 10, 4, 1, split), moe_align_ref(ids, 10, 16, split + 1))):
+        assert torch.equal(al.block_expert, ref.block_expert) and torch.equal(al.expert_start, ref.expert_start)
+        for e in range(10):
+            s, c = int(ref.expert_start[e]), int((ref.block_expert == e).sum()) * ref.block_m
+            assert sorted(al.sorted_ids[s:s + c].tolist()) == sorted(ref.sorted_ids[s:s + c].tolist())
 
 
 def _experts(fp4: bool) -> MoEWeights:
@@ -71,7 +97,8 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
     ("gemv", {"xmode": "quad", "dn_mode": "fused"}), ("gemv", {"xmode": "split", "dn_mode": "fused"}),
     ("gemv", {"xmode": "quad", "dn_mode": "reduce"}), ("gemv", {"dn_mode": "token"}),
     ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
-    ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False})])
+    ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False}),
+    ("sorted", {"xmode": "quad", "block_t": 4, **MIXED})])
 def test_fused_moe_variants(path: str, cfg: dict) -> None:
     experts = _experts(True)
     x = torch.randn(3, H)
@@ -94,6 +121,8 @@ def test_fused_moe_variants(path: str, cfg: dict) -> None:
                 "dn_block_n": 32, "dn_block_k": 32}),
     ("generic_sorted", {"chunk_pairs": 12, "block_m": 4, "gu_block_n": 32, "gu_block_k": 32, "dn_block_n": 16,
                         "dn_block_k": 32}),
+    ("sorted", {"chunk_pairs": 18, "block_t": 4, "xmode": "quad", "gu_block_n": 16, "gu_block_k": 32,
+                "dn_block_n": 32, "dn_block_k": 32, **MIXED}),
 ])
 def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
     experts = _experts(True)
@@ -108,7 +137,8 @@ def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
     (True, "gemv", {"xmode": "quad", "dn_mode": "fused"}), (True, "gemv", {"xmode": "split", "dn_mode": "reduce"}),
     (True, "gemv", {"dn_mode": "token"}), (True, "sorted", {"xmode": "quad", "block_t": 4}),
     (True, "sorted", {"xmode": "perm", "block_t": 16}), (True, "sorted", {"xmode": "split", "block_t": 16}),
-    (True, "generic_gemv", {}), (True, "generic_sorted", {}), (False, "gemv", {}), (False, "sorted", {})])
+    (True, "generic_gemv", {}), (True, "generic_sorted", {}), (False, "gemv", {}), (False, "sorted", {}),
+    (True, "sorted", {"xmode": "quad", "block_t": 4, **MIXED})])
 def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str, cfg: dict) -> None:
     """Slots with id -1 contribute nothing (their weights are ignored), tokens with every slot -1 give 0,
     and the result equals the reference with those slots dropped."""
