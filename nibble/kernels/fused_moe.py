@@ -166,9 +166,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     # the same way), the kernels' epilogues multiply the shift back
     adt = torch.float16 if dec >= 3 else x.dtype
     xsh = F16_X_SHIFT if adt != x.dtype else 0
-    gbn, dbn = cfg["gu_block_n"], cfg["dn_block_n"]
-    gbk, g_stages = tile_for_dec(dec, cfg["gu_block_k"], cfg["gu_stages"])
-    dbk, d_stages = tile_for_dec(dec, cfg["dn_block_k"], cfg["dn_stages"])
     # sm_90+: gate_up (after stage_x), down (after gate_up) and the reduce start early with PDL (tuning field
     # `pdl`, default on); `gu_prefetch` / `dn_prefetch` (default off: neutral to 10% slower on the H200) make
     # gate_up / down first pull their weight rows into L2 (pdl.py)
@@ -178,12 +175,14 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     if (gu_pf or dn_pf) and not (can_pdl and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)):
         gu_pf = dn_pf = False
     staged = adt != x.dtype
-    gkw = {"num_warps": cfg["gu_warps"], "num_stages": g_stages, "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
-    dkw = {"num_warps": cfg["dn_warps"], "num_stages": d_stages}
+    base = _tile(cfg, "", dec, h, inter)
     dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}  # moe_w4_down_kernel only: the token kernel has no PDL
     rkw = _pdl_launch(pdl)
     if path == "gemv":
         # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
+        gbn, gbk, dbn, dbk = base["gbn"], base["gbk"], base["dbn"], base["dbk"]
+        gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
+        dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         flat = ids.view(-1)
         xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
@@ -214,12 +213,12 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4, **rkw)
         return
-    tiles = [_sorted_tile(cfg, "", dec, h, inter)]
+    tiles = [base]
     split = int(cfg.get("mixed_max_pairs", 0))
     if split > 0:
         # experts with up to `split` pairs run the table's tile, those with more the `lg_` one (one decode of
         # the weights for all their tokens): two alignments, two launches per GEMM, one staging of x and act
-        large = _sorted_tile(cfg, "lg_", dec, h, inter)
+        large = _tile(cfg, "lg_", dec, h, inter)
         if {tiles[0]["xmode"], large["xmode"]} <= {QUAD, SPLIT}:
             tiles.append(large)
     xmode = tiles[0]["xmode"]
@@ -260,10 +259,10 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
 
 
-def _sorted_tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
-    """One sorted-path tile from the tuning fields under `prefix`: x mode, token slots per block (the MMA's
-    token side is at least 16 columns: 4 token slots in quad mode, 16 tokens otherwise), gate_up and down
-    tiles."""
+def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
+    """The gate_up and down tiles from the tuning fields under `prefix`, with the sorted path's x mode and
+    token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
+    tokens otherwise)."""
     xmode = XMODES[cfg[f"{prefix}xmode"]]
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT

@@ -27,8 +27,8 @@ SMALL_PAIRS = 4096
 @dataclass
 class MoEAlignment:
     """sorted_ids: int32 [max_padded] pair ids by expert; block_expert: int32 [max_blocks];
-    expert_start / expert_count: int32 [E] (counts of all experts, also those outside the alignment's
-    count range); block_m: rows per block."""
+    expert_start / expert_count: int32 [E] (start -1 for an expert with pairs outside the alignment's count
+    range; counts of all experts); block_m: rows per block."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -65,12 +65,14 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
     # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
-    c = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
-    c = tl.where(_in_range(c, min_count, max_count), c, 0)
+    c_all = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
+    kept = _in_range(c_all, min_count, max_count)
+    c = tl.where(kept, c_all, 0)
     nblk = tl.cdiv(c, BLOCK_M)
     end_blk = tl.cumsum(nblk, axis=0)
     start_blk = end_blk - nblk
-    tl.store(start_ptr + e, start_blk * BLOCK_M, mask=emask)
+    # start -1: an expert with pairs outside the count range, whose pairs `_scatter` then does not place
+    tl.store(start_ptr + e, tl.where(kept | (c_all == 0), start_blk * BLOCK_M, -1), mask=emask)
     for i in range(0, tl.max(nblk, axis=0)):
         tl.store(block_expert_ptr + start_blk + i, e, mask=emask & (i < nblk))
     # -1 in each expert's padding rows: a block's pairs are then known from one read of sorted_ids
@@ -83,13 +85,12 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks
 
 
 @triton.jit
-def _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask, min_count, max_count):
+def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
     e = tl.load(ids_ptr + offs, mask=mask, other=-1)
     mask = mask & (e >= 0)
-    mask = mask & _in_range(tl.load(counts_ptr + e, mask=mask, other=0, cache_modifier=".cg"), min_count, max_count)
     r = tl.load(rank_ptr + offs, mask=mask, other=0)
     s = tl.load(start_ptr + e, mask=mask, other=0, cache_modifier=".cg")
-    tl.store(sorted_ptr + s + r, offs, mask=mask)
+    tl.store(sorted_ptr + s + r, offs, mask=mask & (s >= 0))
 
 
 @triton.jit
@@ -112,9 +113,9 @@ def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_p
         _scan(counts_ptr, start2_ptr, block_expert2_ptr, sorted2_ptr, n_exp, max_blocks2, min_count2, max_count2,
               BLOCK_M2, BLOCK_E, FILL)
     tl.debug_barrier()
-    _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask, min_count, max_count)
+    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
     if TWO:
-        _scatter(ids_ptr, counts_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask, min_count2, max_count2)
+        _scatter(ids_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask)
 
 
 @triton.jit
@@ -131,10 +132,9 @@ def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, min_count, max_count,
-                    BLOCK_P: tl.constexpr):
+def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    _scatter(ids_ptr, counts_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs, min_count, max_count)
+    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)
 
 
 def _buffers(n_pairs: int, num_experts: int, block_m: int, dev: torch.device
@@ -193,8 +193,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int,
         for (bm, _, _), (sorted_ids, block_expert, start), (lo, hi) in zip(specs, bufs, ranges):
             _scan_kernel[(1,)](counts, start, block_expert, sorted_ids, num_experts, block_expert.shape[0], lo, hi,
                                BLOCK_M=bm, BLOCK_E=block_e, FILL=fill, num_warps=4)
-            _scatter_kernel[grid](topk_ids, counts, rank, start, sorted_ids, n_pairs, lo, hi, BLOCK_P=block_p,
-                                  num_warps=4)
+            _scatter_kernel[grid](topk_ids, rank, start, sorted_ids, n_pairs, BLOCK_P=block_p, num_warps=4)
     return [MoEAlignment(sorted_ids, block_expert, start, counts, bm)
             for (bm, _, _), (sorted_ids, block_expert, start) in zip(specs, bufs)]
 
@@ -208,7 +207,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int, min_co
     counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
     kept = (counts >= min_count) & (counts <= (n_pairs if max_count is None else max_count))
     nblk = (torch.where(kept, counts, 0) + block_m - 1) // block_m
-    start = (torch.cumsum(nblk, 0) - nblk) * block_m
+    start = torch.where(kept | (counts == 0), (torch.cumsum(nblk, 0) - nblk) * block_m, -1)
     max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
     sorted_ids = torch.full((max_padded,), -1, dtype=torch.int32, device=dev)
     block_expert = torch.full((max_padded // block_m,), -1, dtype=torch.int32, device=dev)
