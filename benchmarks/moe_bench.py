@@ -126,7 +126,7 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
     out = [("auto", "auto", {}), ("auto:no-pdl", "auto", {"pdl": False}),
            ("auto:dn-prefetch", "auto", {"dn_prefetch": True}), ("auto:gu-prefetch", "auto", {"gu_prefetch": True}),
            ("auto:shift-decode", "auto", {"cvt_decode": False}), ("auto:byte-permute", "auto", {"pair_decode": False}),
-           ("auto:no-mixed", "auto", {"mixed_max_pairs": 0})]
+           ("auto:no-mixed", "auto", {"mixed_max_pairs": 0}), ("auto:no-dn-prefetch", "auto", {"dn_prefetch": False})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if 32 <= t <= 512:
         out += [(name, "sorted", cfg) for name, cfg in MIXED]
