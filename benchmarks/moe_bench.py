@@ -104,8 +104,12 @@ def _mixed(split: int, q: tuple, lg: tuple) -> tuple[str, dict]:
 
 
 _Q4, _S16 = ((32, 256, 4, 4), (64, 256, 4, 4)), ((64, 256, 8, 4), (64, 256, 4, 4))
+# wider split-16 tiles: each program re-reads its block's activations from L2 once per BLOCK_N weight rows, as
+# many bytes per program as its weights at 16 tokens
+_WIDE = [((64, 256, 8, 4), (128, 256, 8, 4)), ((128, 128, 8, 4), (64, 256, 4, 4)), ((128, 128, 8, 4), (128, 128, 8, 4)),
+         ((64, 256, 8, 4), (128, 128, 8, 4)), ((128, 128, 8, 3), (128, 256, 8, 3))]
 MIXED = [_mixed(4, _Q4, _S16), _mixed(3, _Q4, _S16), _mixed(6, _Q4, _S16), _mixed(8, _Q4, _S16),
-         _mixed(4, _Q4, ((32, 256, 4, 4), (64, 256, 4, 4)))]
+         _mixed(4, _Q4, ((32, 256, 4, 4), (64, 256, 4, 4))), *(_mixed(4, _Q4, w) for w in _WIDE)]
 PREFILL = [
     _srt("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
     _srt("perm", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
@@ -126,7 +130,10 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
     out = [("auto", "auto", {}), ("auto:no-pdl", "auto", {"pdl": False}),
            ("auto:dn-prefetch", "auto", {"dn_prefetch": True}), ("auto:gu-prefetch", "auto", {"gu_prefetch": True}),
            ("auto:shift-decode", "auto", {"cvt_decode": False}), ("auto:byte-permute", "auto", {"pair_decode": False}),
-           ("auto:no-mixed", "auto", {"mixed_max_pairs": 0}), ("auto:no-dn-prefetch", "auto", {"dn_prefetch": False})]
+           ("auto:no-mixed", "auto", {"mixed_max_pairs": 0}), ("auto:no-dn-prefetch", "auto", {"dn_prefetch": False}),
+           ("auto:dn64w4", "auto", {"dn_block_n": 64, "dn_warps": 4}),
+           ("auto:lg-dn128x256w8", "auto", {"lg_dn_block_n": 128, "lg_dn_warps": 8}),
+           ("auto:lg-dn128x128w8", "auto", {"lg_dn_block_n": 128, "lg_dn_block_k": 128, "lg_dn_warps": 8})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if 32 <= t <= 512:
         out += [(name, "sorted", cfg) for name, cfg in MIXED]
@@ -142,6 +149,7 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
         out += [(name, "sorted", cfg), (f"{name}/pf", "sorted", {**cfg, "dn_prefetch": True})]
     if 8 <= t <= 256:
         out += [(name, "sorted", cfg) for name, cfg in SORTED]
+        out += [(name, "sorted", cfg) for name, cfg in (_srt("split", 16, *w) for w in _WIDE)]
     if t > 256:
         out += [(name, "sorted", cfg) for name, cfg in PREFILL]
     return out

@@ -20,11 +20,12 @@ experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py)
 `generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4 baseline, kept for comparison).
 Very large batches run in token chunks to bound the [pairs, H] intermediate.
 
-Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.23 TB/s;
+Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.26 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
 and the L2 prefetch of down's weights: 122B-A10B layer T=1 25.6 us (first generation: 50.5), T=8 103 (372),
-T=32 281 (917), T=128 517-522 with the mixed tiles (2202), T=2048 1.77 ms (8.6 ms, before DEC 4); 397B-A17B
-T=8-64 72-77% of copy bandwidth (545 us at T=32).
+T=32 281 (917), T=128 499-505 with the mixed tiles (2202), T=256 543-545, T=2048 1.77 ms (8.6 ms, before
+DEC 4); 397B-A17B T=8-64 72-77% of copy bandwidth (545 us at T=32). The split-16 down tile has 128 rows and 8
+warps: half the L2 re-reads of each block's activations of a 64-row tile, 3-5% faster at 128-512 tokens.
 """
 
 from __future__ import annotations
