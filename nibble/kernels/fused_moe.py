@@ -25,7 +25,7 @@ docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 
 and the L2 prefetch of down's weights: 122B-A10B layer T=1 25.6 us (first generation: 50.5), T=8 103 (372),
 T=32 281 (917), T=128 499-505 with the mixed tiles (2202), T=256 543-545, T=2048 1.77 ms (8.6 ms, before
 DEC 4); 397B-A17B T=8-64 72-77% of copy bandwidth (545 us at T=32). The split-16 down tile has 128 rows and 8
-warps: half the L2 re-reads of each block's activations of a 64-row tile, 3-5% faster at 128-512 tokens.
+warps: half the L2 re-reads of each block's activations of a 64-row tile, 2-5% faster at 128-512 tokens.
 """
 
 from __future__ import annotations

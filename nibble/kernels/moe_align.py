@@ -55,18 +55,13 @@ def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
 
 
 @triton.jit
-def _in_range(c, min_count, max_count):
-    return (c >= min_count) & (c <= max_count)
-
-
-@triton.jit
 def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
     # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
     c_all = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
-    kept = _in_range(c_all, min_count, max_count)
+    kept = (c_all >= min_count) & (c_all <= max_count)
     c = tl.where(kept, c_all, 0)
     nblk = tl.cdiv(c, BLOCK_M)
     end_blk = tl.cumsum(nblk, axis=0)
