@@ -84,6 +84,8 @@ SORTED = [
     _srt("quad", 4, (32, 128, 4, 8), (64, 128, 4, 8)),
     _srt("quad", 4, (32, 256, 4, 4), (64, 128, 4, 6)),
     _srt("quad", 4, (32, 256, 4, 4), (128, 256, 8, 4)),
+    _srt("quad", 4, (64, 256, 4, 4), (64, 256, 4, 4)),
+    _srt("quad", 4, (64, 256, 4, 4), (128, 256, 8, 4)),
     _srt("split", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("perm", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _srt("split", 16, (32, 256, 4, 4), (64, 256, 4, 4)),
@@ -111,7 +113,8 @@ _WIDE = [((64, 256, 8, 4), (128, 256, 8, 4)), ((128, 128, 8, 4), (64, 256, 4, 4)
          ((64, 256, 8, 4), (128, 128, 8, 4)), ((128, 128, 8, 3), (128, 256, 8, 3))]
 MIXED = [_mixed(4, _Q4, _S16), _mixed(3, _Q4, _S16), _mixed(6, _Q4, _S16), _mixed(8, _Q4, _S16),
          _mixed(4, _Q4, ((32, 256, 4, 4), (64, 256, 4, 4))), *(_mixed(4, _Q4, w) for w in _WIDE),
-         _mixed(4, ((32, 256, 4, 4), (128, 256, 8, 4)), _WIDE[0])]
+         _mixed(4, ((32, 256, 4, 4), (128, 256, 8, 4)), _WIDE[0]),
+         _mixed(4, ((64, 256, 4, 4), (128, 256, 8, 4)), _WIDE[0])]
 PREFILL = [
     _srt("perm", 64, (128, 64, 8, 4), (128, 64, 8, 4)),
     _srt("perm", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
@@ -121,11 +124,26 @@ PREFILL = [
 ]
 
 
-def variants(model: str, t: int, sweep: bool | str, only: str = "") -> list[tuple[str, str, dict]]:
+def variants(model: str, t: int, sweep: bool | str, only: str = "",
+             extra: dict[str, dict] | None = None) -> list[tuple[str, str, dict]]:
     """sweep: False, True or a comma-separated list of the models to sweep; only: a regular expression the
-    variant names must match (besides "auto")."""
+    variant names must match (besides "auto"); extra: named overrides of the table's choice (`--variant`),
+    timed as "auto:<name>" whatever `only` says."""
     out = _variants(model, t, sweep)
-    return [v for v in out if v[0] == "auto" or re.search(only, v[0])] if only else out
+    out = [v for v in out if v[0] == "auto" or re.search(only, v[0])] if only else out
+    return out + [(f"auto:{name}", "auto", cfg) for name, cfg in (extra or {}).items()]
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """`NAME=JSON` (a `--variant` argument) -> (name, tuning-field overrides)."""
+    name, sep, cfg = text.partition("=")
+    try:
+        fields = json.loads(cfg) if sep else None
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {e}") from None
+    if not name or not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME={{json object of tuning fields}}")
+    return name, fields
 
 
 def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dict]]:
@@ -135,7 +153,11 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
            ("auto:no-mixed", "auto", {"mixed_max_pairs": 0}), ("auto:no-dn-prefetch", "auto", {"dn_prefetch": False}),
            ("auto:dn64w4", "auto", {"dn_block_n": 64, "dn_warps": 4}),
            ("auto:lg-dn128x256w8", "auto", {"lg_dn_block_n": 128, "lg_dn_warps": 8}),
-           ("auto:lg-dn128x128w8", "auto", {"lg_dn_block_n": 128, "lg_dn_block_k": 128, "lg_dn_warps": 8})]
+           ("auto:lg-dn128x128w8", "auto", {"lg_dn_block_n": 128, "lg_dn_block_k": 128, "lg_dn_warps": 8}),
+           ("auto:lg-s3", "auto", {"lg_gu_stages": 3, "lg_dn_stages": 3}),
+           # pipeline depths (the eleventh session's table change; gs4ds6 is the 1-token entry before it)
+           *((f"auto:gs{g}ds{d}", "auto", {"gu_stages": g, "dn_stages": d}) for g in (2, 3, 4) for d in (2, 3, 4)),
+           ("auto:gs4ds6", "auto", {"gu_stages": 4, "dn_stages": 6})]
     out.append(("before:generic", "generic_gemv" if t <= 4 else "generic_sorted", {}))
     if 32 <= t <= 512:
         out += [(name, "sorted", cfg) for name, cfg in MIXED]
@@ -240,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs, seen = [], set()
     for model in models:
         for t in tokens:
-            for _name, path, cfg in variants(model, t, args.sweep, args.only):
+            for _name, path, cfg in variants(model, t, args.sweep, args.only, dict(args.variant)):
                 key = (model, path, json.dumps(cfg, sort_keys=True), t if path == "auto" else t > 8)
                 if key not in seen:
                     seen.add(key)
@@ -269,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nbytes = hit * per_expert + 2 * t * h * 2
             flops = 2 * t * k * 3 * inter * h
             ref = fused_moe_ref(x.float(), w, ids, layers[0])
-            for name, path, cfg in variants(model, t, args.sweep, args.only):
+            for name, path, cfg in variants(model, t, args.sweep, args.only, dict(args.variant)):
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"{model} T={t} {name}: skipped (budget)", flush=True)
                     continue
@@ -357,6 +379,8 @@ def main() -> None:
     ap.add_argument("--sweep", nargs="?", const=True, default=False,
                     help="time the tile-configuration variants too (optionally only for these models, e.g. 122B,35B)")
     ap.add_argument("--only", default="", help="regular expression: time only the variants it matches (and auto)")
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=JSON",
+                    help='also time the table\'s choice with these tuning fields, e.g. gs3=\'{"gu_stages": 3}\'')
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gemm-tflops", type=float, default=801.0, help="bf16 GEMM ceiling (measured 801 on H200)")
