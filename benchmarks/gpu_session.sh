@@ -45,11 +45,12 @@ stage_moe() {
     --budget-s 350 --out "$OUT/moe.json"
 }
 stage_moeauto() {  # the tuning table's choice only (with the shift decode beside it), decode sizes of both big layers
-  run moeauto 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "auto" \
-    --out "$OUT/moeauto.json"
+  run moeauto 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
+    --only '^auto(:shift-decode)?$' --out "$OUT/moeauto.json"
 }
 stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decode sizes of both big layers
-  run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 --only "^auto" \
+  run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
+    --only '^auto(:no-pdl|:dn-prefetch|:gu-prefetch|:no-dn-prefetch)?$' \
     --out "$OUT/moepdl.json"
 }
 stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3

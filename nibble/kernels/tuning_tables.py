@@ -4,7 +4,8 @@
 by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. Each op maps to a list of
 entries `{"when": {...}, "config": {...}}`; the first entry whose `when` matches the lookup key wins in
 each table, and the device's fields are laid over the default's. In `when`, `"min_X"`/`"max_X"` bound
-the key's numeric field `X` (inclusive); any other field must equal the key's.
+the key's numeric field `X` (inclusive); any other field must equal the key's. A `when` field that names no
+field of the op's lookup key (a typo would make its entry silently never match) is an error at the first lookup.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ def _matches(when: dict[str, Any], key: dict[str, Any]) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def _check_fields(name: str, op: str, fields: frozenset[str]) -> None:
+    """Raise if an entry of `op` in table `name` tests a field the op's lookup key does not have."""
+    for i, entry in enumerate(_table(name).get(op, [])):
+        for field in entry.get("when", {}):
+            base = field[4:] if field.startswith(("min_", "max_")) else field
+            if base not in fields:
+                raise ValueError(f"tuning/{name}.json: entry {i} of {op!r} tests {field!r}, but {op} lookups have "
+                                 f"only the fields {sorted(fields)}")
+
+
 def _first(table: dict[str, list[dict[str, Any]]], op: str, key: dict[str, Any]) -> dict[str, Any]:
     for entry in table.get(op, []):
         if _matches(entry.get("when", {}), key):
@@ -49,8 +61,12 @@ def _first(table: dict[str, list[dict[str, Any]]], op: str, key: dict[str, Any])
 
 def lookup(op: str, device: torch.device | str, key: dict[str, Any]) -> dict[str, Any]:
     """Configuration of `op` for a shape `key` on `device` (a fresh dict the caller may modify)."""
+    device_table = device_key(device)
+    fields = frozenset(key)
+    _check_fields("default", op, fields)
+    _check_fields(device_table, op, fields)
     cfg = _first(_table("default"), op, key)
     if not cfg:
         raise KeyError(f"tuning/default.json has no entry for {op} matching {key}")
-    cfg.update(_first(_table(device_key(device)), op, key))
+    cfg.update(_first(_table(device_table), op, key))
     return cfg
