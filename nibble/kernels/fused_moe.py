@@ -26,8 +26,8 @@ and the L2 prefetch of down's weights: 122B-A10B layer T=1 24.6 us (first genera
 T=32 281-282 (917), T=128 498-500 with the mixed tiles (2202), T=256 529-534, T=2048 1.77 ms (8.6 ms, before
 DEC 4); 397B-A17B T=8-128 71-78% of copy bandwidth (493-495 us at T=32). The split-16 down tile has 128 rows
 and 8 warps: half the L2 re-reads of each block's activations of a 64-row tile, 2-5% faster at 128-512 tokens.
-The kernels' K loops are short (4-12 steps), so the table keeps their software pipelines shallow (3-4 stages):
-0.4-4% faster than 4-6 at every size.
+The kernels' K loops are short (2-16 steps: H / 256 for gate_up, I / BLOCK_K for down), so the table keeps
+their software pipelines shallow (3-4 stages): 0.4-4% faster than 4-6 at 1-512 tokens (35B T=1 unchanged).
 """
 
 from __future__ import annotations
