@@ -39,6 +39,7 @@ stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 330 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
   run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \
@@ -53,6 +54,26 @@ stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decod
     --only '^auto(:no-pdl|:dn-prefetch|:gu-prefetch|:no-dn-prefetch)?$' \
     --out "$OUT/moepdl.json"
 }
+stage_moetma() {  # the table's choice with weight tiles by TMA (2: units and scales; gate_up, down, the mixed
+  # path's split-16 tile alone, and deeper pipelines), decode and prefill sizes, twice
+  local all='"gu_tma": 2, "dn_tma": 2, "lg_gu_tma": 2, "lg_dn_tma": 2'
+  for r in 1 2; do
+    run "moetma_r$r" 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 8,32,64,128,256,512,2048 \
+      --only '^auto$' --variant "tma2={$all}" --variant 'gu-tma2={"gu_tma": 2, "lg_gu_tma": 2}' \
+      --variant 'dn-tma2={"dn_tma": 2, "lg_dn_tma": 2}' --variant 'lg-tma2={"lg_gu_tma": 2, "lg_dn_tma": 2}' \
+      --variant "tma2-s4={$all, \"gu_stages\": 4, \"dn_stages\": 4, \"lg_gu_stages\": 4, \"lg_dn_stages\": 4}" \
+      --out "$OUT/moetma_r$r.json"
+  done
+}
+stage_moetmatable() {  # the table's choice (TMA gate_up in split-16 tiles, TMA in the prefill tiles) against it
+  # without TMA, from 128 tokens up, twice
+  for r in 1 2; do
+    run "moetmatable_r$r" 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 128,256,512,1024,2048,8192 \
+      --only '^auto$' --variant 'no-tma={"gu_tma": 0, "dn_tma": 0, "lg_gu_tma": 0, "lg_dn_tma": 0}' \
+      --out "$OUT/moetmatable_r$r.json"
+  done
+}
+stage_tmatests() { NIBBLE_TEST_GPU=1 run tmatests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k tma_matches_pointer -p no:cacheprovider -rf; }
 stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3
   run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
     --only "^auto(:byte-permute)?$" --out "$OUT/moepair.json"

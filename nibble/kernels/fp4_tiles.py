@@ -307,14 +307,21 @@ def w4_tile(q_rows, s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
     """Packed unit tile [R, BLOCK_K/4] (int16) and its scales [R, BLOCK_K/16] (uint8) at K offset k0;
     q_rows / s_rows: [R] row pointers (units / scale bytes)."""
     u = tl.arange(0, BLOCK_K // 4)
-    g = tl.arange(0, BLOCK_K // 16)
     if EVEN_K:
         q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :])
-        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :])
     else:
         q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :], mask=(k0 // 4 + u < n_k // 4)[None, :], other=0)
-        s = tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :], mask=(k0 // 16 + g < n_k // 16)[None, :], other=0)
-    return q, s
+    return q, w4_scale_tile(s_rows, k0, n_k, BLOCK_K, EVEN_K)
+
+
+@triton.jit
+def w4_scale_tile(s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The block scales [R, BLOCK_K/16] (uint8) of `w4_tile`'s tile."""
+    g = tl.arange(0, BLOCK_K // 16)
+    if EVEN_K:
+        return tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :])
+    else:
+        return tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :], mask=(k0 // 16 + g < n_k // 16)[None, :], other=0)
 
 
 @triton.jit

@@ -54,6 +54,7 @@ from nibble.kernels.moe_w4 import (
     stage_x,
 )
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
+from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -196,7 +197,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **_pdl_launch(pdl and staged))
+            **_pdl_launch(pdl and staged), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         mode = cfg["dn_mode"]
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -211,7 +212,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw)
+            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
+            **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4, **rkw)
@@ -249,7 +251,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 sq13n, st13[2], st13[3], act.stride(0), SORTED=True, XMODE=tile["xmode"], ACT_PERM=xmode == PERM,
                 ACT_PAIRS=dec == 4, DEC=dec, EVEN_K=h % tile["gbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["gbn"],
                 BLOCK_K=tile["gbk"], X_SHIFT=xsh, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
-                PREFETCH=gu_pf, PDL_TRIGGER=pdl, **_pdl_launch(pdl and buf is not None and i == 0))
+                PREFETCH=gu_pf, PDL_TRIGGER=pdl, **_pdl_launch(pdl and buf is not None and i == 0),
+                **_tma_args(tile["gtma"], u13, s13, tile["gbn"], tile["gbk"], True))
         for i, (tile, al) in enumerate(zip(tiles, als)):
             moe_w4_down_kernel[(al.max_blocks, cdiv(h, tile["dbn"]))](
                 act, u2, s2, g2, y, out, y, tw[c0:c1], flat, al.sorted_ids, al.block_expert, h, inter, act.stride(0),
@@ -257,7 +260,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 FUSED_SUM=False, DEC=dec, EVEN_K=inter % tile["dbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["dbn"],
                 BLOCK_K=tile["dbk"], ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl,
                 num_warps=tile["dwarps"], num_stages=tile["d_stages"],
-                **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}))
+                **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}),
+                **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
 
@@ -265,7 +269,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
     """The gate_up and down tiles from the tuning fields under `prefix`, with the sorted path's x mode and
     token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
-    tokens otherwise)."""
+    tokens otherwise) and the TMA levels of their weight loads (`gu_tma`, `dn_tma`: 0 = off, see `_tma_args`)."""
     xmode = XMODES[cfg[f"{prefix}xmode"]]
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT
@@ -273,7 +277,8 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
     dbk, d_stages = tile_for_dec(dec, cfg[f"{prefix}dn_block_k"], cfg[f"{prefix}dn_stages"])
     return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
             "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
-            "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"]}
+            "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"],
+            "gtma": int(cfg.get(f"{prefix}gu_tma", 0)), "dtma": int(cfg.get(f"{prefix}dn_tma", 0))}
 
 
 def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:
@@ -282,6 +287,19 @@ def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: 
     act by gate_up's row order (tuning field `pair_decode`, default on)."""
     ok = staged and xmode in (QUAD, SPLIT) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
     return 4 if dec == 3 and ok and cfg.get("pair_decode", True) else dec
+
+
+def _tma_args(level: int, units: torch.Tensor, scales: torch.Tensor, rows: int, block_k: int,
+              stacked: bool) -> dict[str, Any]:
+    """Launch keywords that make a moe_w4 kernel load its weight units (level 1) or units and block scales
+    (level 2) by TMA (tuning fields `gu_tma` / `dn_tma`, default 0), as far as the descriptors can address them
+    (`tma.w4_descriptors`)."""
+    on = level > 0 and tma_supported(units.device)
+    descs = w4_descriptors(units, scales, rows, block_k, stacked) if on else None
+    if descs is None:
+        return {}
+    qd, sd = descs
+    return {"q_desc": qd, "s_desc": sd, "TMA": 2} if level >= 2 and sd is not None else {"q_desc": qd, "TMA": 1}
 
 
 def _pdl_launch(on: bool) -> dict[str, Any]:

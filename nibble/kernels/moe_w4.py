@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import cdiv, tl, triton
-from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_tile
+from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_scale_tile, w4_tile
 from nibble.kernels.pdl import pdl_handoff, prefetch_rows
 
 QUAD, PERM, SPLIT = 0, 1, 2
@@ -108,7 +108,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
                           SORTED: tl.constexpr, XMODE: tl.constexpr, ACT_PERM: tl.constexpr, ACT_PAIRS: tl.constexpr,
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
-                          PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
+                          PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, q_desc=None,
+                          s_desc=None, TMA: tl.constexpr = 0):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
@@ -116,7 +117,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     X_SHIFT: x holds activations * 2^-X_SHIFT, and act is written the same way (fp16 staging of bf16
     activations, see `stage_x`). PREFETCH: first ask for the program's weight rows in L2 (pdl.py); PDL_WAIT:
     launched with PDL right after `stage_x` (ids and the sorted blocks are older, so they are read before the
-    wait); PDL_TRIGGER: the down kernel is."""
+    wait); PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a stacked descriptor
+    of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
@@ -133,10 +135,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     e64 = e.to(tl.int64)
     # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
     r = tl.arange(0, 2 * BLOCK_N)
-    n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    if ACT_PAIRS:
+    n0 = tl.program_id(1) * BLOCK_N
+    n_r = n0 + r % BLOCK_N
+    if ACT_PAIRS and not TMA:
         # tile row r computes feature pairs_col(n): stored in column n, it lands where DEC 4 wants it
-        # (pairs_col is an involution within groups of 8), and the epilogue keeps its natural addresses
+        # (pairs_col is an involution within groups of 8), and the epilogue keeps its natural addresses;
+        # a TMA tile holds the natural rows, so there the epilogue stores feature n in column pairs_col(n)
         n_r = pairs_col(n_r)
     n_r = tl.minimum(n_r, inter - 1)  # clamped rows: results not stored
     rows = (n_r + (r // BLOCK_N) * inter).to(tl.int64)
@@ -150,7 +154,14 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        q, s = w4_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
+        if TMA:
+            q = tl.reshape(q_desc.load([e, 0, n0, k0 // 4]), [2 * BLOCK_N, BLOCK_K // 4])
+            if TMA == 2:
+                s = tl.reshape(s_desc.load([e, 0, n0, k0 // 16]), [2 * BLOCK_N, BLOCK_K // 16])
+            else:
+                s = w4_scale_tile(s_rows, k0, hidden, BLOCK_K, EVEN_K)
+        else:
+            q, s = w4_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)
@@ -159,7 +170,9 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     act = hg * tl.sigmoid(hg) * hu
     if X_SHIFT != 0:
         act = _f16_range(act * (1.0 / (1 << X_SHIFT)))
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = n0 + tl.arange(0, BLOCK_N)
+    if ACT_PAIRS and TMA:
+        n = pairs_col(n)
     tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
              act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
 
@@ -171,11 +184,12 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
                        SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
                        X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
-                       PDL_TRIGGER: tl.constexpr = False):
+                       PDL_TRIGGER: tl.constexpr = False, q_desc=None, s_desc=None, TMA: tl.constexpr = 0):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
     (w2 as units [E, H, I/4], scales [E, H, I/16], global [E, H]); y: fp32 or activation dtype [pairs, H].
     PREFETCH / PDL_WAIT / PDL_TRIGGER as in `moe_w4_gate_up_kernel` (launched with PDL after gate_up: the
-    weights stream into L2 while gate_up finishes; the trigger is for the reduce launch).
+    weights stream into L2 while gate_up finishes; the trigger is for the reduce launch). TMA as in
+    `moe_w4_gate_up_kernel` (3-D descriptors).
 
     FUSED_SUM (pairs mode): after writing y, each program counts itself in sem[token, slice]; the one that
     completes the token's live pairs sums its k rows of y in order j = 0..k-1 into out and re-arms the
@@ -217,7 +231,14 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        q, s = w4_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
+        if TMA:
+            q = tl.reshape(q_desc.load([e, tl.program_id(1) * BLOCK_N, k0 // 4]), [BLOCK_N, BLOCK_K // 4])
+            if TMA == 2:
+                s = tl.reshape(s_desc.load([e, tl.program_id(1) * BLOCK_N, k0 // 16]), [BLOCK_N, BLOCK_K // 16])
+            else:
+                s = w4_scale_tile(s_rows, k0, inter, BLOCK_K, EVEN_K)
+        else:
+            q, s = w4_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)

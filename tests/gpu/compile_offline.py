@@ -159,6 +159,7 @@ def main() -> int:
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
                  {"xmode": "perm", "block_t": 64}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
+        fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
             for cfg in configs(op):
                 for mode in modes if experts is w4 else [{}]:

@@ -397,6 +397,34 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
                 assert torch.equal(outs[i], p), (path, cfg, i, "graph")
 
 
+@pytest.mark.parametrize("name", ["122B", "397B"])
+@pytest.mark.parametrize("t", [1, 6, 64, 300])
+def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:
+    """Weight tiles by TMA (tuning fields `gu_tma`, `dn_tma`: units, or units and scales) change how the
+    bytes arrive, not what is computed: bitwise the outputs of pointer loads on every path of the table,
+    eagerly and from a CUDA graph (the descriptors travel by value in the captured launches)."""
+    c = config(name)
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    x = torch.randn(t, h, device=DEV, dtype=BF16)
+    w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+    if t > 1:
+        ids[t // 2, 0] = -1
+    for path, extra in (("auto", {}), ("gemv", {}), ("sorted", {}), ("sorted", MIXED)):
+        plain = fused_moe_launch(x, w, ids, experts, path=path, config=extra)
+        assert rel(plain, fused_moe_ref(x.float(), w, ids, experts)) < TOL
+        for level in (1, 2):
+            cfg = {**extra, **{f"{lg}{op}_tma": level for lg in ("", "lg_") for op in ("gu", "dn")}}
+            assert torch.equal(fused_moe_launch(x, w, ids, experts, path=path, config=cfg), plain), (path, level)
+            outs: list[torch.Tensor] = []
+            g = capture_graph(lambda cfg=cfg, path=path, outs=outs: outs.append(
+                fused_moe_launch(x, w, ids, experts, path=path, config=cfg)))
+            outs[-1].fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[-1], plain), (path, level, "graph")
+
+
 @pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])
 def test_nvfp4_linear(n: int, k: int) -> None:
     """The weight-stationary kernel in each token layout (incl. split-K and fp16 activations) and the

@@ -9,11 +9,13 @@ import torch
 from kernel_testing import poisoned, random_nvfp4, rel_err
 
 from nibble.kernels import fused_moe as fm
+from nibble.kernels.fp4_tiles import fp4_units
 from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
 from nibble.kernels.moe_w4 import stage_x
+from nibble.kernels.tma import w4_descriptors
 
 E, H, I, K = 6, 64, 48, 3
 # the mixed sorted path: experts with up to 2 pairs in quad-4 blocks, the others in split-16 blocks
@@ -158,6 +160,39 @@ def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str, cfg: dict) -> No
     w_kept = torch.where(ids >= 0, w, torch.zeros_like(w))
     ids_kept = torch.where(ids >= 0, ids, torch.zeros_like(ids))
     assert rel_err(ref, fused_moe_ref(x, w_kept, ids_kept, experts)) < 1e-6
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("path,t,cfg", [
+    ("gemv", 3, {"dn_mode": "fused"}), ("gemv", 2, {"xmode": "split", "dn_block_k": 128}),
+    ("sorted", 9, {"xmode": "quad", "block_t": 4}), ("sorted", 9, {"xmode": "split", "block_t": 16}),
+    ("sorted", 9, {"xmode": "quad", "block_t": 4, **MIXED, "lg_gu_block_k": 256, "lg_dn_block_k": 256})])
+def test_fused_moe_tma_weight_tiles(level: int, path: str, t: int, cfg: dict) -> None:
+    """Weight tiles loaded through TMA descriptors (units, or units and scales; the scales by pointer where a
+    tile's 16-byte rows are too short for a descriptor) give the reference result; the gate_up descriptor
+    stacks gate and up rows of each expert."""
+    e, h, inter = 5, 512, 256  # TMA needs 16-byte aligned rows: K a multiple of 256 for the scales
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    x = torch.randn(t, h)
+    w, ids = route_ref(torch.randn(t, e), K)
+    cfg = {"gu_block_n": 16, "gu_block_k": 256, "dn_block_n": 32, "dn_block_k": 256, **cfg,
+           **{f"{lg}{op}_tma": level for lg in ("", "lg_") for op in ("gu", "dn")}}
+    out = poisoned(fused_moe_launch, [((t, h), x.dtype)], x, w, ids, experts, path=path, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
+
+
+def test_w4_descriptors_only_where_tma_can_address() -> None:
+    w = random_nvfp4(4, 64, 512)
+    units, scales = fp4_units(w.packed), w.block_scale.view(torch.uint8)
+    qd, sd = w4_descriptors(units, scales, 16, 256, stacked=True)
+    assert qd.shape == [4, 2, 32, 128] and qd.block_shape == [1, 2, 16, 64] and sd.block_shape == [1, 2, 16, 16]
+    assert w4_descriptors(units, scales, 16, 128, stacked=False)[1] is None  # 8 scale bytes per row
+    w = random_nvfp4(4, 64, 48 * 4)  # rows of 96 bytes: units fine, scales (12 bytes) not
+    assert w4_descriptors(fp4_units(w.packed), w.block_scale.view(torch.uint8), 16, 64, stacked=False)[1] is None
+    w = random_nvfp4(4, 64, 40)  # rows of 20 bytes
+    assert w4_descriptors(fp4_units(w.packed), w.block_scale.view(torch.uint8), 16, 64, stacked=False) is None
+    with pytest.raises(ValueError, match="int16 units"):
+        w4_descriptors(w.packed, w.block_scale.view(torch.uint8), 16, 64, stacked=False)
 
 
 def test_fused_moe_rejects_bad_shapes() -> None:
