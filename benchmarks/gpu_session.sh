@@ -73,6 +73,20 @@ stage_moetmatable() {  # the table's choice (TMA gate_up in split-16 tiles, TMA 
       --out "$OUT/moetmatable_r$r.json"
   done
 }
+stage_moetmasweep() {  # prefill tiles with TMA: deeper pipelines, BLOCK_K 256 (scales by TMA too), 128 token
+  # slots; the mixed decode tiles with the split-16 gate_up by TMA, also from 4 pairs per expert on
+  local p='"gu_tma": 2, "dn_tma": 2'
+  run moetmasweep_pf 300 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 2048,8192 --only '^auto$' \
+    --variant "p-s4={$p, \"gu_stages\": 4, \"dn_stages\": 4}" \
+    --variant "p-bk256={$p, \"gu_block_k\": 256, \"dn_block_k\": 256}" \
+    --variant "p-bk256-s2={$p, \"gu_block_k\": 256, \"dn_block_k\": 256, \"gu_stages\": 2, \"dn_stages\": 2}" \
+    --variant "p-bt128={$p, \"block_t\": 128}" \
+    --variant "p-bt128-s2={$p, \"block_t\": 128, \"gu_stages\": 2, \"dn_stages\": 2}" \
+    --out "$OUT/moetmasweep_pf.json"
+  run moetmasweep_mx 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 96,128,192 --only '^auto$' \
+    --variant 'lg-gu-tma={"lg_gu_tma": 2}' --variant 'mx3-lg-gu-tma={"lg_gu_tma": 2, "mixed_max_pairs": 3}' \
+    --out "$OUT/moetmasweep_mx.json"
+}
 stage_tmatests() { NIBBLE_TEST_GPU=1 run tmatests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k tma_matches_pointer -p no:cacheprovider -rf; }
 stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3
   run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \

@@ -6,7 +6,7 @@ dequantised in registers straight into its A operand (`fp4_decode4`: ~2 ops per 
 before), the few tokens are the narrow N side. A weight tile is read and dequantised once for all tokens of
 the block, tensor cores do the multiply at any batch size (the MMA has throughput to spare and the CUDA cores
 stay free for the decode), and the K loop is a dot loop that Triton software-pipelines with asynchronous
-copies.
+copies (or, with the TMA flag, bulk tensor copies through descriptors of the weights: tma.py).
 
 `fp4_decode4` yields the weights as four stride-4 slices of K (W_t[:, u] = W[:, 4u + t]), so the
 activations must be sliced the same way. How (constexpr XMODE):
