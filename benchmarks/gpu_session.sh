@@ -87,6 +87,14 @@ stage_moetmasweep() {  # prefill tiles with TMA: deeper pipelines, BLOCK_K 256 (
     --variant 'lg-gu-tma={"lg_gu_tma": 2}' --variant 'mx3-lg-gu-tma={"lg_gu_tma": 2, "mixed_max_pairs": 3}' \
     --out "$OUT/moetmasweep_mx.json"
 }
+stage_moetmagu() {  # split-16 gate_up tiles with TMA (the table's is 64 rows, 8 warps, 3 stages), 256-512 tokens, twice
+  for r in 1 2; do
+    run "moetmagu_r$r" 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 256,384,512 --only '^auto$' \
+      --variant 'g32w4={"gu_block_n": 32, "gu_warps": 4}' --variant 'g32w4s4={"gu_block_n": 32, "gu_warps": 4, "gu_stages": 4}' \
+      --variant 'gs4={"gu_stages": 4}' --variant 'g128={"gu_block_n": 128}' \
+      --variant 'g128s4={"gu_block_n": 128, "gu_stages": 4}' --out "$OUT/moetmagu_r$r.json"
+  done
+}
 stage_tmatests() { NIBBLE_TEST_GPU=1 run tmatests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k tma_matches_pointer -p no:cacheprovider -rf; }
 stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3
   run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
