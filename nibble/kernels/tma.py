@@ -16,6 +16,7 @@ import torch
 from nibble.kernels._triton import HAVE_TRITON, capability, interpreting
 
 MIN_INNER_BYTES = 16  # a TMA box's innermost extent must be a multiple of 16 bytes
+MAX_BOX_DIM = 256  # and no extent of it over 256 elements
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -41,9 +42,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def w4_descriptors(units: torch.Tensor, scales: torch.Tensor, block_rows: int, block_k: int,
                    stacked: bool) -> tuple | None:
     """(units descriptor, scales descriptor or None) of one expert weight for `block_rows` x `block_k` tiles;
-    None where TMA cannot address the units (unaligned base or strides), the scales' None where it cannot
-    address those (also when a tile's block_k / 16 scale bytes per row are under the 16-byte minimum): the
-    kernels then load them by pointer.
+    None where TMA cannot address the units (unaligned base or strides, a box over 256 rows or 1024 K), the
+    scales' None where it cannot address those (also when a tile's block_k / 16 scale bytes per row are under
+    the 16-byte minimum): the kernels then load them by pointer.
 
     units: int16 [E, R, K/4] (`fp4_units`); scales: uint8 e4m3 [E, R, K/16]. stacked (gate_up, R = 2I): the
     descriptors are 4-D, [E, 2, I, K/4] and [E, 2, I, K/16], so one tile holds gate rows n0.. and up rows
@@ -53,7 +54,8 @@ def w4_descriptors(units: torch.Tensor, scales: torch.Tensor, block_rows: int, b
     if units.dim() != 3 or scales.dim() != 3 or units.dtype != torch.int16 or scales.dtype != torch.uint8:
         raise ValueError(f"w4_descriptors: expected int16 units and uint8 scales [E, R, K], got {units.dtype} "
                          f"{tuple(units.shape)} and {scales.dtype} {tuple(scales.shape)}")
-    if block_k % 64 or not _aligned(units) or (stacked and units.shape[1] % 2):
+    if (block_k % 64 or block_k // 4 > MAX_BOX_DIM or block_rows > MAX_BOX_DIM or not _aligned(units)
+            or (stacked and units.shape[1] % 2)):
         return None
 
     def desc(t: torch.Tensor, inner: int) -> TensorDescriptor:

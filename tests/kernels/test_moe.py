@@ -191,6 +191,7 @@ def test_w4_descriptors_only_where_tma_can_address() -> None:
     assert w4_descriptors(fp4_units(w.packed), w.block_scale.view(torch.uint8), 16, 64, stacked=False)[1] is None
     w = random_nvfp4(4, 64, 40)  # rows of 20 bytes
     assert w4_descriptors(fp4_units(w.packed), w.block_scale.view(torch.uint8), 16, 64, stacked=False) is None
+    assert w4_descriptors(units, scales, 512, 256, stacked=False) is None  # over TMA's 256 rows per box
     with pytest.raises(ValueError, match="int16 units"):
         w4_descriptors(w.packed, w.block_scale.view(torch.uint8), 16, 64, stacked=False)
 
