@@ -47,6 +47,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def aligned16(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor has a 16-byte aligned base and 16-byte multiples as the byte strides of all but
+    its last dimension (what the bulk copies and prefetches of sm_90+ need to address its rows)."""
+    return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+               for t in tensors)
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [N, D] with contiguous columns for a row-strided kernel: a view where the strides allow
     (e.g. a column slice of a fused projection), else a copy."""

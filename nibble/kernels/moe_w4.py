@@ -88,6 +88,31 @@ def _prefetch_expert_rows(q_ptr, s_ptr, e, first_row, num_rows, stride_qe, strid
 
 
 @triton.jit
+def _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, n_k, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr, STACKED: tl.constexpr):
+    """A K step's weight tile: units [ROWS, BLOCK_K/4] and scales [ROWS, BLOCK_K/16] (`w4_tile`), by pointers
+    (TMA 0), the units (TMA 1) or both (TMA 2) through descriptors of expert e from row n0 on: the 4-D stacked
+    gate_up descriptors (STACKED; ROWS = 2 x the box's rows) or the 3-D down ones, `tma.w4_descriptors`."""
+    if TMA:
+        if STACKED:
+            q = q_desc.load([e, 0, n0, k0 // 4])
+        else:
+            q = q_desc.load([e, n0, k0 // 4])
+        q = tl.reshape(q, [ROWS, BLOCK_K // 4])
+        if TMA == 2:
+            if STACKED:
+                s = s_desc.load([e, 0, n0, k0 // 16])
+            else:
+                s = s_desc.load([e, n0, k0 // 16])
+            s = tl.reshape(s, [ROWS, BLOCK_K // 16])
+        else:
+            s = w4_scale_tile(s_rows, k0, n_k, BLOCK_K, EVEN_K)
+        return q, s
+    else:
+        return w4_tile(q_rows, s_rows, k0, n_k, BLOCK_K, EVEN_K)
+
+
+@triton.jit
 def pairs_col(k):
     """Column of element k in an activation row staged for DEC 4 (fp4_tiles.py): bits 1 and 2 swapped."""
     return (k & ~6) | ((k & 2) << 1) | ((k & 4) >> 1)
@@ -154,14 +179,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if TMA:
-            q = tl.reshape(q_desc.load([e, 0, n0, k0 // 4]), [2 * BLOCK_N, BLOCK_K // 4])
-            if TMA == 2:
-                s = tl.reshape(s_desc.load([e, 0, n0, k0 // 16]), [2 * BLOCK_N, BLOCK_K // 16])
-            else:
-                s = w4_scale_tile(s_rows, k0, hidden, BLOCK_K, EVEN_K)
-        else:
-            q, s = w4_tile(q_rows, s_rows, k0, hidden, BLOCK_K, EVEN_K)
+        q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, hidden, 2 * BLOCK_N, BLOCK_K, EVEN_K, TMA,
+                            True)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)
@@ -231,14 +250,8 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if TMA:
-            q = tl.reshape(q_desc.load([e, tl.program_id(1) * BLOCK_N, k0 // 4]), [BLOCK_N, BLOCK_K // 4])
-            if TMA == 2:
-                s = tl.reshape(s_desc.load([e, tl.program_id(1) * BLOCK_N, k0 // 16]), [BLOCK_N, BLOCK_K // 16])
-            else:
-                s = w4_scale_tile(s_rows, k0, inter, BLOCK_K, EVEN_K)
-        else:
-            q, s = w4_tile(q_rows, s_rows, k0, inter, BLOCK_K, EVEN_K)
+        q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, tl.program_id(1) * BLOCK_N, k0, inter, BLOCK_N,
+                            BLOCK_K, EVEN_K, TMA, False)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)

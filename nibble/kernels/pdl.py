@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from nibble.kernels._triton import HAVE_TRITON, capability, interpreting, tl, triton
+from nibble.kernels._triton import HAVE_TRITON, aligned16, capability, interpreting, tl, triton
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,10 +42,7 @@ def pdl_supported(device: torch.device) -> bool:
 def prefetch_ok(*tensors: torch.Tensor) -> bool:
     """Whether `prefetch_l2` may be used on slabs of these tensors: 16-byte aligned bases and byte strides
     (the bulk prefetch needs 16-byte aligned addresses and sizes; callers check their row lengths)."""
-    for t in tensors:
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return aligned16(*tensors)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nibble.kernels._triton import HAVE_TRITON, capability, interpreting
+from nibble.kernels._triton import HAVE_TRITON, aligned16, capability, interpreting
 
 MIN_INNER_BYTES = 16  # a TMA box's innermost extent must be a multiple of 16 bytes
 MAX_BOX_DIM = 256  # and no extent of it over 256 elements
@@ -35,8 +35,7 @@ def tma_supported(device: torch.device) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]))
+    return t.stride(-1) == 1 and aligned16(t)
 
 
 def w4_descriptors(units: torch.Tensor, scales: torch.Tensor, block_rows: int, block_k: int,
