@@ -146,6 +146,23 @@ stage_latency122() {
     --batch-sizes 1,8,32,128 --input-len 1024 --output-len 64 --max-num-seqs 128 --output-json "$OUT/latency122.json"
 }
 
+stage_tmae2e() {  # end-to-end prefill and decode of the 122B layer stack with the table's TMA fields, without them
+  # (every gu_tma / dn_tma zeroed in the working copy of the table), and with them again; second iteration reported
+  local t=nibble/kernels/tuning/nvidia_h200.json
+  cp $t /tmp/table_tma.json
+  for v in on off on2; do
+    if [ $v = off ]; then
+      python3 -c "import json, re; p='$t'; s=open(p).read(); open(p, 'w').write(re.sub(r'(\"(lg_)?(gu|dn)_tma\": )[0-9]', r'\g<1>0', s))"
+      grep -c '_tma": [12]' $t | sed 's/^/tma fields left on: /' >> "$SUMMARY"
+    else
+      cp /tmp/table_tma.json $t
+    fi
+    run "tmae2e_$v" 200 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+      --batch-sizes 1,8 --input-len 1024 --output-len 16 --num-iters 2 --output-json "$OUT/tmae2e_$v.json"
+  done
+  cp /tmp/table_tma.json $t
+}
+
 stage_profile35() {
   run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
 }
