@@ -38,7 +38,7 @@ stage_versions() {
 stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
-stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 330 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
@@ -95,6 +95,7 @@ stage_moetmagu() {  # split-16 gate_up tiles with TMA (the table's is 64 rows, 8
       --variant 'g128s4={"gu_block_n": 128, "gu_stages": 4}' --out "$OUT/moetmagu_r$r.json"
   done
 }
+stage_tailtests() { NIBBLE_TEST_GPU=1 run tailtests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "nvfp4_linear or select_kernels" -p no:cacheprovider -rf; }
 stage_tmatests() { NIBBLE_TEST_GPU=1 run tmatests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k tma_matches_pointer -p no:cacheprovider -rf; }
 stage_moepair() {  # the table's choice with DEC 4 (converter decode without the byte permute) vs DEC 3
   run moepair 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
