@@ -1,7 +1,7 @@
 """Where does a decode step's time go? For a dummy-weight model on the GPU: pure CUDA-graph replay time per
 batch size, the engine's whole step (scheduling, input copies, sampling, detokenization), and torch
 profiler tables of the CUDA kernels of one decode graph replay (with the number of kernels per step) and of
-one eager prefill chunk.
+one eager prefill chunk, with its wall time against its kernel time and the host syncs it makes.
 
     python benchmarks/profile_decode.py --model benchmarks/models/Qwen3.5-35B-A3B-NVFP4 --out $OUT/profile
 """
@@ -9,9 +9,14 @@ one eager prefill chunk.
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,12 +60,36 @@ def _kernel_table(fn, path: Path, rows: int = 40, cpu: bool = True) -> tuple[lis
     return out, launches
 
 
+def _wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _syncs(fn) -> dict[str, int]:
+    """Where one call of fn makes the host wait for the device (torch's sync debug mode), by count."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return dict(where.most_common())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--context-len", type=int, default=1024)
     ap.add_argument("--out", default="profile")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode batch sizes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +98,7 @@ def main() -> None:
                                     max_model_len=args.context_len + 256))
     vocab = engine.model_config.vocab_size
     summary = {}
-    for bs in sizes:
+    for bs in [] if args.prefill_only else sizes:
         for i in range(bs):
             engine.add_request(f"p{bs}-{i}", torch.randint(0, vocab, (args.context_len,)).tolist(),
                                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -114,10 +143,34 @@ def main() -> None:
     torch.cuda.synchronize()
     pre_ms = (time.perf_counter() - t0) * 1e3
     table, _ = _kernel_table(prefill, out / "prefill.json")
-    print(f"prefill {args.context_len} tokens: {pre_ms:.1f} ms")
+    busy_ms = json.loads((out / "prefill.json").read_text())["total_us"] / 1e3
+    print(f"prefill {args.context_len} tokens: {pre_ms:.1f} ms wall, {busy_ms:.1f} ms of kernels")
     for row in table[:15]:
         print(f"   {row['pct']:5.1f}% {row['us']:9.0f}us x{row['count']:<4} {row['name']}")
     summary["prefill_ms"] = pre_ms
+    summary["prefill_kernel_ms"] = busy_ms
+    summary["prefill_syncs"] = _syncs(prefill)
+    print(f"host syncs in one prefill: {sum(summary['prefill_syncs'].values())}")
+    for where, n in summary["prefill_syncs"].items():
+        print(f"   {n:4d} x {where}")
+    # the same prefill without the host copy of the offsets (fla then plans its chunks from the device ones)
+    host = batch.cu_seqlens_q_cpu
+    batch.cu_seqlens_q_cpu = []
+    summary["prefill_ms_device_offsets"] = min(_wall_ms(prefill) for _ in range(3))
+    batch.cu_seqlens_q_cpu = host
+    summary["prefill_ms_host_offsets"] = min(_wall_ms(prefill) for _ in range(3))
+    print(f"prefill wall, best of 3: {summary['prefill_ms_host_offsets']:.1f} ms with host offsets, "
+          f"{summary['prefill_ms_device_offsets']:.1f} ms without")
+    # the host side of one prefill, by Python function (cProfile slows each call down, so the shares count)
+    prof = cProfile.Profile()
+    prof.runcall(prefill)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
+    (out / "prefill_host.txt").write_text(text.getvalue())
+    print(text.getvalue())
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

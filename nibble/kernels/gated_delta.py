@@ -14,9 +14,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                         state_slots: torch.Tensor) -> torch.Tensor:
+                         state_slots: torch.Tensor, cu_seqlens_cpu: list[int] | None = None) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g: fp32 [T, Hv] (log decay, <= 0); beta: [T, Hv];
-    ssm_state: fp32 [num_slots, Hv, Dk, Dv]; cu_seqlens: int32 [B+1]; state_slots: int32 [B].
+    ssm_state: fp32 [num_slots, Hv, Dk, Dv]; cu_seqlens: int32 [B+1]; state_slots: int32 [B];
+    cu_seqlens_cpu: the same offsets as a host list, if the caller has them (every backend takes it; the
+    fla one needs it to plan its chunks without a device sync).
 
     q and k are L2-normalised and q scaled by Dk^-0.5; each k head serves Hv/Hk consecutive v heads.
     Per token: S = S*exp(g); S += k (beta (v - S^T k))^T; o = S^T q. Returns o [T, Hv, Dv] in v's dtype.
@@ -27,7 +29,7 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     kf = l2norm(k.float()).repeat_interleave(rep, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    cu = cu_seqlens.tolist()
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist()
     for i, slot in enumerate(state_slots.tolist()):
         state = ssm_state[slot].float()
         for t in range(cu[i], cu[i + 1]):
@@ -101,7 +103,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 
 def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                               state_slots: torch.Tensor) -> torch.Tensor:
+                               state_slots: torch.Tensor, cu_seqlens_cpu: list[int] | None = None) -> torch.Tensor:
     """Triton `gated_delta_rule_ref`, token by token: one program per (sequence, v head, Dv block) keeps
     its [Dk, BLOCK_V] state tile in registers and reads/writes `ssm_state[state_slots[i]]` in place
     (no gather or scatter copies). L2 norm, scaling and GVA are fused. The decode path; also correct
@@ -125,15 +127,19 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                         state_slots: torch.Tensor) -> torch.Tensor:
+                         state_slots: torch.Tensor, cu_seqlens_cpu: list[int] | None = None) -> torch.Tensor:
     """`gated_delta_rule_ref` with fla-core's chunked kernel for prefill and mixed batches (varlen,
     initial states gathered from the slots, final states scattered back) and the in-place recurrent
-    kernel when every sequence has one token (T == B)."""
+    kernel when every sequence has one token (T == B). Without cu_seqlens_cpu, fla plans its chunks
+    from the device offsets, which costs a device sync per call (per GDN layer)."""
     t = q.shape[0]
     b = state_slots.shape[0]
     if t == b:
         return gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
     _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
+    if cu_seqlens_cpu is not None and (len(cu_seqlens_cpu) != b + 1 or cu_seqlens_cpu[-1] != t):
+        raise ValueError(f"gated_delta_rule: cu_seqlens_cpu has {len(cu_seqlens_cpu)} offsets ending at "
+                         f"{cu_seqlens_cpu[-1] if cu_seqlens_cpu else None}, expected {b + 1} ending at {t}")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     slots = state_slots.long()
@@ -141,6 +147,7 @@ def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     o, final = chunk_gated_delta_rule(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=init, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long(),
+        cu_seqlens_cpu=None if cu_seqlens_cpu is None else torch.tensor(cu_seqlens_cpu, dtype=torch.long))
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     return o[0].to(v.dtype)

@@ -198,10 +198,12 @@ def _gdn_inputs(c: ModelConfig, t: int):
     return q, k, v, g, beta
 
 
+@pytest.mark.parametrize("host_offsets", [False, True])
 @pytest.mark.parametrize("fn", [gated_delta_rule_fla, gated_delta_rule_recurrent])
-def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn) -> None:
+def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn, host_offsets: bool) -> None:
     """Chunked prefill of sequences (with a mixed batch) then decode steps == the reference run over the
-    whole sequences at once."""
+    whole sequences at once; with the offsets also given as a host list (what the GDN layer passes, so
+    that fla plans its chunks without a device sync) or not."""
     c = config("122B")
     lens, decode_steps = [300, 1, 77], 4
     total = [n + decode_steps for n in lens]
@@ -214,7 +216,8 @@ def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn) -> None:
     ref = gated_delta_rule_ref(*[x.float() for x in whole], state_ref, cu(total), slots)
     outs: list[list[torch.Tensor]] = [[] for _ in lens]
     pre = [torch.cat([s[i][:n] for s, n in zip(seqs, lens)]) for i in range(5)]
-    o = fn(*pre, state, cu(lens), slots)
+    host = [0, *torch.tensor(lens).cumsum(0).tolist()] if host_offsets else None
+    o = fn(*pre, state, cu(lens), slots, cu_seqlens_cpu=host)
     for j, part in enumerate(o.split(lens)):
         outs[j].append(part)
     for step in range(decode_steps):
