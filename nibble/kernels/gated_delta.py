@@ -3,6 +3,8 @@ pool and updated in place."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
@@ -125,13 +127,29 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out
 
 
+FLA_CHUNK = 64  # chunk_gated_delta_rule's chunk length (its default), which its chunk indices count in
+
+
+def fla_chunk_indices(cu_seqlens_cpu: list[int], device: torch.device) -> torch.Tensor:
+    """fla's varlen chunk plan, int64 [num_chunks, 2] of (sequence, chunk within it), from host offsets: the
+    same tensor as fla's `prepare_chunk_indices`, built on the host and sent by a non-blocking copy from
+    pinned memory (a pageable host-to-device copy waits for the stream, fla's own way a device read)."""
+    rows = [(i, j) for i, (a, b) in enumerate(itertools.pairwise(cu_seqlens_cpu))
+            for j in range(-(-(b - a) // FLA_CHUNK))]
+    host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
                          state_slots: torch.Tensor, cu_seqlens_cpu: list[int] | None = None) -> torch.Tensor:
     """`gated_delta_rule_ref` with fla-core's chunked kernel for prefill and mixed batches (varlen,
     initial states gathered from the slots, final states scattered back) and the in-place recurrent
-    kernel when every sequence has one token (T == B). Without cu_seqlens_cpu, fla plans its chunks
-    from the device offsets, which costs a device sync per call (per GDN layer)."""
+    kernel when every sequence has one token (T == B). With cu_seqlens_cpu the chunk plan is built on the
+    host and copied without blocking; without it, fla derives it from the device offsets, which makes the
+    host wait for the GPU once per call (per GDN layer of a prefill)."""
     t = q.shape[0]
     b = state_slots.shape[0]
     if t == b:
@@ -148,6 +166,6 @@ def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=init, output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long(),
-        cu_seqlens_cpu=None if cu_seqlens_cpu is None else torch.tensor(cu_seqlens_cpu, dtype=torch.long))
+        chunk_indices=None if cu_seqlens_cpu is None else fla_chunk_indices(cu_seqlens_cpu, q.device))
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     return o[0].to(v.dtype)

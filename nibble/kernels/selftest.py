@@ -313,9 +313,14 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
         state_ref = state.clone()
         slots = torch.tensor([4, 1, 2][:b], dtype=torch.int32, device=ctx.device)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
-        out = _call(fn, ctx.device, [((t, hv, dv), ctx.dtype)], q, k, v, g, beta, state, cu, slots)
         ref = gated_delta_rule_ref(q, k, v, g, beta, state_ref, cu, slots)
-        worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", state, state_ref, ctx.tol))
+        # both ways the layers call it: with the host copy of the offsets (the engine's batches) and without
+        for host in (None, [0, *torch.tensor(q_lens).cumsum(0).tolist()]):
+            st = state.clone()
+            poison(ctx.device, ((t, hv, dv), ctx.dtype))
+            out = fn(q, k, v, g, beta, st, cu, slots, cu_seqlens_cpu=host)
+            _sync(ctx.device)
+            worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", st, state_ref, ctx.tol))
     return worst
 
 

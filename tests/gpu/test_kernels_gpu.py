@@ -31,6 +31,8 @@ from nibble.kernels.activation import (  # noqa: E402
 from nibble.kernels.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
 from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
 from nibble.kernels.gated_delta import (  # noqa: E402
+    FLA_CHUNK,
+    fla_chunk_indices,
     gated_delta_rule_fla,
     gated_delta_rule_recurrent,
     gated_delta_rule_ref,
@@ -228,6 +230,18 @@ def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn, host_offsets
     out = torch.cat([torch.cat(o) for o in outs])
     assert rel(out, ref) < TOL
     assert rel(state, state_ref) < TOL
+
+
+@pytest.mark.parametrize("lens", [[1], [64], [65, 1, 0, 200], [3, 128, 129, 7]])
+def test_host_chunk_plan_matches_fla(lens: list[int]) -> None:
+    """The GDN chunk plan built from host offsets is fla's own `prepare_chunk_indices` (empty sequences,
+    exact multiples of the chunk length and one-token sequences included)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    ours = fla_chunk_indices(offsets, torch.device(DEV))
+    theirs = prepare_chunk_indices(torch.tensor(offsets, device=DEV), FLA_CHUNK)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("t", [1, 256, 4096])

@@ -70,3 +70,4 @@ def test_reference_takes_the_host_offsets() -> None:
     a = gated_delta_rule_ref(q, k, v, g, beta, s1, cu([3, 1, 6]), sl)
     b = gated_delta_rule_ref(q, k, v, g, beta, s2, cu([3, 1, 6]), sl, cu_seqlens_cpu=[0, 3, 4, 10])
     assert torch.equal(a, b) and torch.equal(s1, s2)
+
