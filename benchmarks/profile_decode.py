@@ -43,8 +43,9 @@ def _graph_ms(engine: LLMEngine, bs: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _kernel_table(fn, path: Path, rows: int = 40, cpu: bool = True) -> tuple[list[dict], int]:
-    """Top kernels of one call of fn by device time, and the number of kernel launches it made. cpu=False
+def _kernel_table(fn, path: Path, rows: int = 40, cpu: bool = True) -> tuple[list[dict], int, float]:
+    """Top kernels of one call of fn by device time, the number of kernel launches it made and their total
+    device time (µs). cpu=False
     records CUDA activity only (a graph replay: its kernels, no host ops)."""
     acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cpu else [ProfilerActivity.CUDA]
     with profile(activities=acts) as prof:
@@ -57,10 +58,11 @@ def _kernel_table(fn, path: Path, rows: int = 40, cpu: bool = True) -> tuple[lis
     out = [{"name": e.key[:90], "count": e.count, "us": getattr(e, "self_device_time_total", 0),
             "pct": 100 * getattr(e, "self_device_time_total", 0) / max(total, 1)} for e in events[:rows]]
     path.write_text(json.dumps({"total_us": total, "launches": launches, "kernels": out}, indent=1))
-    return out, launches
+    return out, launches, total
 
 
 def _wall_ms(fn) -> float:
+    """Host wall time of one call of fn with the GPU drained before and after, ms."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -104,18 +106,12 @@ def main() -> None:
                                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         while any(r.num_output_tokens == 0 for r in engine.requests.values()):
             engine.step()
-        step_ms = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
+        step_ms = [_wall_ms(engine.step) for _ in range(20)]
         graph_ms = _graph_ms(engine, bs)
         graphs = engine.runner.graphs
         assert graphs is not None
         replay = graphs.graphs[graphs.padded_size(bs)].replay
-        table, launches = _kernel_table(replay, out / f"decode_bs{bs}.json", cpu=False)
+        table, launches, _ = _kernel_table(replay, out / f"decode_bs{bs}.json", cpu=False)
         collectives = sum(r["count"] for r in table if "nccl" in r["name"].lower())
         summary[bs] = {"engine_step_ms": statistics.median(step_ms), "graph_replay_ms": graph_ms,
                        "kernels_per_step": launches, "collective_kernels": collectives, "top_kernels": table[:12]}
@@ -137,13 +133,9 @@ def main() -> None:
             engine.model(batch, engine.runner.caches)
 
     prefill()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    prefill()
-    torch.cuda.synchronize()
-    pre_ms = (time.perf_counter() - t0) * 1e3
-    table, _ = _kernel_table(prefill, out / "prefill.json")
-    busy_ms = json.loads((out / "prefill.json").read_text())["total_us"] / 1e3
+    pre_ms = _wall_ms(prefill)
+    table, _, busy_us = _kernel_table(prefill, out / "prefill.json")
+    busy_ms = busy_us / 1e3
     print(f"prefill {args.context_len} tokens: {pre_ms:.1f} ms wall, {busy_ms:.1f} ms of kernels")
     for row in table[:15]:
         print(f"   {row['pct']:5.1f}% {row['us']:9.0f}us x{row['count']:<4} {row['name']}")

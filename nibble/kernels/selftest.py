@@ -91,9 +91,9 @@ def rel_err(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> floa
     return err
 
 
-def _call(fn: Callable, device: torch.device, outs: list[tuple[tuple[int, ...], torch.dtype]], *args):
+def _call(fn: Callable, device: torch.device, outs: list[tuple[tuple[int, ...], torch.dtype]], *args, **kwargs):
     poison(device, *outs)
-    res = fn(*args)
+    res = fn(*args, **kwargs)
     _sync(device)
     return res
 
@@ -312,14 +312,14 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
         state = ctx.randn(6, hv, dk, dv, dtype=torch.float32, scale=0.1)
         state_ref = state.clone()
         slots = torch.tensor([4, 1, 2][:b], dtype=torch.int32, device=ctx.device)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+        offsets = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        cu = torch.tensor(offsets, dtype=torch.int32, device=ctx.device)
         ref = gated_delta_rule_ref(q, k, v, g, beta, state_ref, cu, slots)
         # both ways the layers call it: with the host copy of the offsets (the engine's batches) and without
-        for host in (None, [0, *torch.tensor(q_lens).cumsum(0).tolist()]):
+        for host in (None, offsets):
             st = state.clone()
-            poison(ctx.device, ((t, hv, dv), ctx.dtype))
-            out = fn(q, k, v, g, beta, st, cu, slots, cu_seqlens_cpu=host)
-            _sync(ctx.device)
+            out = _call(fn, ctx.device, [((t, hv, dv), ctx.dtype)], q, k, v, g, beta, st, cu, slots,
+                        cu_seqlens_cpu=host)
             worst = max(worst, rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", st, state_ref, ctx.tol))
     return worst
 
