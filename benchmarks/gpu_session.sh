@@ -39,6 +39,7 @@ stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
+stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
@@ -164,6 +165,15 @@ stage_tmae2e() {  # end-to-end prefill and decode of the 122B layer stack with t
   cp /tmp/table_tma.json $t
 }
 
+stage_asynce2e() {  # 122B decode steps with overlapped scheduling (default), without it, and with it again
+  for v in on off on2; do
+    local flag=""
+    [ $v = off ] && flag="--no-async-scheduling"
+    run "asynce2e_$v" 200 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+      --batch-sizes 1,8,32,128 --input-len 1024 --output-len 64 --max-num-seqs 128 $flag --output-json "$OUT/asynce2e_$v.json"
+  done
+}
+
 stage_profile35() {
   run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
 }
@@ -194,6 +204,7 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
   pack
 }
 stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 120 230 --max-num-seqs 128; }
+stage_serve122sync() { serve_and_bench 122sync $M/Qwen3.5-122B-A10B-NVFP4 1,8,32 1 120 150 --max-num-seqs 128 --no-async-scheduling; }
 stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 80 130 --max-num-seqs 128; }
 stage_serve35c128() { serve_and_bench 35c128 $M/Qwen3.5-35B-A3B-NVFP4 128 1 35 60 --max-num-seqs 128; }
 stage_peer35() {

@@ -35,6 +35,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     kv_cache_memory_gb: float | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = True
     cuda_graph_max_batch_size: int = 256
     seed: int = 0
     moe_backend: str | None = None

@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches, to_device_async
 
 logger = logging.getLogger("nibble.engine")
 
@@ -81,8 +81,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
-            slot_mapping: list[int], state_slots: list[int]) -> torch.Tensor:
-        """One decode step for len(input_ids) sequences; returns fp32 logits [num_seqs, vocab]."""
+            slot_mapping: list[int], state_slots: list[int],
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One decode step for len(input_ids) sequences; returns fp32 logits [num_seqs, vocab]. pending:
+        (rows, token ids), both int64 [n] on the device, written over input_ids (tokens not yet on the host)."""
         num_seqs = len(input_ids)
         bs = self.padded_size(num_seqs)
         assert bs is not None
@@ -93,13 +95,15 @@ class DecodeGraphs:
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad],
                             dtype=torch.int64)
         small = torch.tensor([seq_lens + [1] * pad, state_slots + [0] * pad], dtype=torch.int32)
-        host_d = host.to(self.device, non_blocking=True)
-        small_d = small.to(self.device, non_blocking=True)
+        host_d = to_device_async(host, self.device)
+        small_d = to_device_async(small, self.device)
         self.input_ids[:bs].copy_(host_d[0])
         self.positions[:bs].copy_(host_d[1])
         self.slot_mapping[:bs].copy_(host_d[2])
         self.seq_lens[:bs].copy_(small_d[0])
         self.state_slots[:bs].copy_(small_d[1])
-        self.block_table[:bs, :width].copy_(table.to(self.device, non_blocking=True))
+        self.block_table[:bs, :width].copy_(to_device_async(table, self.device))
+        if pending is not None:
+            self.input_ids[pending[0]] = pending[1]
         self.graphs[bs].replay()
         return self.outputs[bs][:num_seqs]

@@ -1,5 +1,14 @@
 """LLMEngine: the synchronous core. `add_request` validates and queues, `step` schedules one batch, runs
-the model, samples, detokenizes incrementally, applies stop conditions and reports per-request outputs."""
+the model, samples, detokenizes incrementally, applies stop conditions and reports per-request outputs.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): once a step's model and sampling
+work is queued on the device, `step` schedules and queues the next one before it waits for the sampled
+tokens, feeding them to the next step on the device (the requests' pending tokens, request.py), and then
+detokenizes and reports while the device runs that next step. So the host's work between two steps no
+longer leaves the GPU idle. A request that stops (EOS, stop string, error, abort) has its row of the step
+already queued discarded; requests reaching max_tokens are not scheduled again. Off under tensor
+parallelism and while any request uses repetition/presence/frequency penalties (they need every token).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner
 from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
-from nibble.engine.sampler import sample
+from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.scheduler import Scheduler
 from nibble.engine.tokenizer import Tokenizer
@@ -37,6 +46,18 @@ class RequestError(ValueError):
 
 class EngineOverloaded(RuntimeError):
     """Too many requests are queued; the server answers 503."""
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device (`step`: its number; its batch size and tokens): the requests whose rows
+    were sampled (in row order) and their tokens."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    sampled: list[Request]
+    pending: PendingSample | None
 
 
 @dataclass
@@ -94,6 +115,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids)
                                           | set(self.generation_defaults.eos_token_ids or ())
                                           | set(self.tokenizer.eos_token_ids if self.tokenizer else ())))
+        self._inflight: _Launched | None = None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -167,6 +189,7 @@ class LLMEngine:
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
+        # a step still in flight only matters while one of its requests is unfinished, i.e. counted here
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> dict[str, float]:
@@ -176,27 +199,64 @@ class LLMEngine:
                 "num_preemptions": self.num_preemptions}
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns an output for each request that advanced or finished."""
+        """Run one scheduled batch; returns an output for each request that advanced or finished. With
+        overlapped scheduling the outputs are those of the step queued by the previous call, and this call
+        leaves the next step running on the device."""
+        try:
+            cur = self._inflight or self._launch(None)
+            self._inflight = None
+            if cur is None:
+                return []
+            if self._can_overlap():
+                self._inflight = self._launch(cur)
+            return self._finish_step(cur)
+        except BaseException:
+            self._inflight = None
+            for req in self.requests.values():
+                req.pending_rows.clear()
+            raise
+
+    def _can_overlap(self) -> bool:
+        return (self.config.async_scheduling and self.workers is None
+                and not any(r.sampling_params.needs_penalties for r in self.requests.values()))
+
+    def _launch(self, inflight: _Launched | None) -> _Launched | None:
+        """Schedule a batch and queue its model and sampling work; `inflight`: the step before it, whose
+        sampled tokens are still on the device."""
         sched = self.scheduler.schedule()
         self.num_preemptions += sched.num_preempted
         if sched.empty:
-            return []
+            return None
         self.num_steps += 1
-        logits, rows = self.runner.execute(sched)
+        tokens = inflight.pending.token_ids if inflight is not None and inflight.pending is not None else None
+        logits, rows = self.runner.execute(sched, tokens)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         if logits is None:
-            return []
+            return _Launched(self.num_steps, len(sched.requests), sched.num_tokens, [], None)
         sampled = [sched.requests[i] for i in rows]
-        result = sample(logits, sampled, self._generator)
+        pending = sample_launch(logits, sampled, self._generator)
+        for j, req in enumerate(sampled):
+            req.pending_rows.append(j)
+        return _Launched(self.num_steps, len(sched.requests), sched.num_tokens, sampled, pending)
+
+    def _finish_step(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a step's sampled tokens and hand them to their requests (stop conditions, text)."""
+        if launched.pending is None:
+            return []
+        result = launched.pending.result()
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        for j, req in enumerate(sampled):
+        for j, req in enumerate(launched.sampled):
+            if req.finished:
+                continue  # stopped or aborted after this step was queued
+            if req.pending_rows:
+                req.pending_rows.pop(0)
             if j in result.bad_rows:
-                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {self.num_steps} "
+                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {launched.step} "
                              f"for this request; generation stopped")
                 logger.error("non-finite logits: request %s, step %d, batch of %d sequences (%d tokens)",
-                             req.request_id, self.num_steps, len(sched.requests), sched.num_tokens)
+                             req.request_id, launched.step, launched.num_seqs, launched.num_tokens)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(req))
                 continue
@@ -226,7 +286,9 @@ class LLMEngine:
                 if stopped:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop.matched
             state.text += piece
-        if status is None and (req.num_output_tokens >= (sp.max_tokens or 0) or req.num_tokens >= self.max_model_len):
+        # a pending token (of a step still in flight) is not part of this request's length yet
+        length = req.num_prompt_tokens + req.num_output_tokens
+        if status is None and (req.num_output_tokens >= (sp.max_tokens or 0) or length >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if state.detok is not None and not state.stop.stopped:

@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import accumulate, pairwise
 
 import torch
 from torch import nn
 
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs
+from nibble.engine.request import PENDING_BASE
 from nibble.engine.scheduler import ScheduledBatch
 from nibble.engine.step_inputs import StepInputs
-from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches, to_device_async
 from nibble.layers.parallel import SINGLE, ParallelContext
 from nibble.models.config import FULL_ATTENTION, ModelConfig
 
@@ -108,6 +110,21 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
     return int(peak)
 
 
+def _pending_inputs(ids: list[int], inflight_tokens: torch.Tensor | None, device: torch.device
+                    ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
+    """Flat input ids with pending placeholders (request.PENDING_BASE - row) set to 0, and (positions of
+    those, int64 [n] on `device`; their tokens, gathered from inflight_tokens) to write over them there."""
+    if not ids or min(ids) > PENDING_BASE:
+        return ids, None
+    if inflight_tokens is None:
+        raise RuntimeError("a step feeds pending tokens, but no step is in flight")
+    dst = [i for i, t in enumerate(ids) if t <= PENDING_BASE]
+    src = [PENDING_BASE - ids[i] for i in dst]
+    idx = to_device_async(torch.tensor([dst, src], dtype=torch.int64), device)
+    fixed = [0 if t <= PENDING_BASE else t for t in ids]
+    return fixed, (idx[0], inflight_tokens[idx[1]])
+
+
 class ModelRunner:
     """Owns one rank's caches and runs steps. parallel: this rank's place in the tensor-parallel group;
     broadcast (rank 0 of a group only): sends each step's inputs to the other ranks before running it."""
@@ -157,17 +174,21 @@ class ModelRunner:
         logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def execute(self, sched: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
+    def execute(self, sched: ScheduledBatch, inflight_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, list[int]]:
         """Run one step; returns (fp32 logits [num_sample_rows, vocab] or None, indices into
         sched.requests of the rows to sample). Rows whose prefill chunk stops short of the end of their
-        known tokens are not sampled."""
+        known tokens are not sampled. inflight_tokens: int64 [rows] on the device, the tokens sampled by
+        the step still in flight, which the requests' pending placeholders stand for (request.py)."""
         step = StepInputs.from_schedule(sched)
         if self.broadcast is not None:
+            if inflight_tokens is not None:
+                raise RuntimeError("overlapped scheduling does not run under tensor parallelism")
             self.broadcast(step)
-        return self.run(step), step.sample_rows
+        return self.run(step, inflight_tokens), step.sample_rows
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor | None:
+    def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
         sampled."""
         if step.new_state_slots:
@@ -178,14 +199,23 @@ class ModelRunner:
                 and self.graphs.padded_size(num_seqs) is not None):
             bs = self.block_size
             pos = step.context_lens
+            ids, pending = _pending_inputs([t[0] for t in step.token_ids], inflight_tokens, self.device)
             logits = self.graphs.run(
-                input_ids=[t[0] for t in step.token_ids], positions=pos,
+                input_ids=ids, positions=pos,
                 seq_lens=[p + 1 for p in pos], block_tables=step.block_tables,
                 slot_mapping=[b[p // bs] * bs + p % bs for b, p in zip(step.block_tables, pos)],
-                state_slots=step.state_slots)
+                state_slots=step.state_slots, pending=pending)
             return logits.clone()
-        batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
+        token_ids = step.token_ids
+        flat, pending = _pending_inputs([t for toks in token_ids for t in toks], inflight_tokens, self.device)
+        if pending is not None:
+            lens = [len(t) for t in token_ids]
+            starts = [0, *accumulate(lens)]
+            token_ids = [flat[a:b] for a, b in pairwise(starts)]
+        batch = ForwardBatch.build(token_ids, step.context_lens, step.block_tables, step.state_slots,
                                    self.block_size, self.device)
+        if pending is not None:
+            batch.input_ids[pending[0]] = pending[1]
         hidden = self.model(batch, self.caches)
         if not sample_rows:
             return None

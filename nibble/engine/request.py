@@ -10,6 +10,9 @@ import torch
 
 from nibble.engine.sampling_params import SamplingParams
 
+# A fed token sampled by a step still in flight: PENDING_BASE - row, row in that step's sampled tokens.
+PENDING_BASE = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -40,6 +43,11 @@ class Request:
     `num_computed_tokens` counts the tokens of `all_token_ids` whose KV/GDN state is in the caches; the
     next step feeds `all_token_ids[num_computed_tokens:...]`. Preemption frees the caches and resets it to
     0: the request is later recomputed from its prompt plus the tokens it had generated.
+
+    With overlapped scheduling a step may be scheduled before the host has seen the token the step before
+    it sampled: `pending_rows` holds, per such token (oldest first), its row in that step's sampled tokens.
+    Pending tokens count in `num_tokens` (they are fed like known ones) but not in `output_token_ids`;
+    `token_slice` returns them as `PENDING_BASE - row`, which the model runner replaces on the device.
     """
 
     request_id: str
@@ -58,6 +66,7 @@ class Request:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,7 +74,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.pending_rows)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.pending_rows)
 
     @property
     def num_output_tokens(self) -> int:
@@ -75,6 +88,10 @@ class Request:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
+        known = p + len(self.output_token_ids)
+        if end > known:
+            pending = [PENDING_BASE - r for r in self.pending_rows[max(start - known, 0):end - known]]
+            return self.token_slice(start, known) + pending if start < known else pending
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

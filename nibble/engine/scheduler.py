@@ -50,8 +50,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark a request finished (or aborted) and free its caches, wherever it is."""
+        """Mark a request finished (or aborted) and free its caches, wherever it is; tokens of steps still
+        in flight for it are dropped."""
         request.status = status
+        request.pending_rows.clear()
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -75,7 +77,13 @@ class Scheduler:
         for req in order:
             if req not in self.running or budget <= 0:
                 continue
+            max_tokens = req.sampling_params.max_tokens
+            done = max_tokens is not None and req.num_output_tokens + len(req.pending_rows) >= max_tokens
+            if req.pending_rows and done:
+                continue  # finishes when its pending tokens are seen: another step would run past its end
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
             while not self.blocks.can_allocate(req, n):
                 victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
                 if victim is None:

@@ -79,28 +79,47 @@ class ForwardBatch:
             cu.append(cu[-1] + n)
             seq_lens.append(ctx + n)
         width = max_num_blocks or max((len(b) for b in block_tables), default=1) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, b in enumerate(block_tables):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        table = [x for b in block_tables for x in (*b, *([0] * (width - len(b))))]
         logits_indices = [c - 1 for c in cu[1:]]
-
-        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=device)
-
+        # one host buffer per dtype, one asynchronous copy each (segments 32-byte aligned for the kernels)
+        ids_, pos_, slots_, logits_ = _packed([input_ids, positions, slot_mapping, logits_indices], torch.int64,
+                                              device)
+        cu_, lens_, states_, table_ = _packed([cu, seq_lens, state_slots, table], torch.int32, device)
         return cls(
-            input_ids=t(input_ids, torch.int64),
-            positions=t(positions, torch.int64),
-            cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_table=table.to(device),
-            slot_mapping=t(slot_mapping, torch.int64),
-            state_slots=t(state_slots, torch.int32),
-            logits_indices=t(logits_indices, torch.int64),
+            input_ids=ids_,
+            positions=pos_,
+            cu_seqlens_q=cu_,
+            seq_lens=lens_,
+            block_table=table_.view(len(block_tables), width),
+            slot_mapping=slots_,
+            state_slots=states_,
+            logits_indices=logits_,
             max_query_len=max(len(s) for s in seqs_token_ids),
             max_seq_len=max(seq_lens),
             cu_seqlens_q_cpu=cu,
             seq_lens_cpu=seq_lens,
         )
+
+
+def to_device_async(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, copied without making the host wait for the stream (a copy from pageable
+    memory may; the engine queues steps while the one before runs): through pinned memory on a GPU."""
+    device = torch.device(device)
+    if device.type == "cpu" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def _packed(parts: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """parts as views of one device buffer of `dtype`, each starting 32 bytes after an aligned start."""
+    align = 32 // dtype.itemsize
+    starts, flat = [], []
+    for part in parts:
+        starts.append(len(flat))
+        flat.extend(part)
+        flat.extend([0] * (-len(flat) % align))
+    buf = to_device_async(torch.tensor(flat, dtype=dtype), device)
+    return [buf[a:a + len(p)] for a, p in zip(starts, parts)]
 
 
 @dataclass
@@ -147,10 +166,12 @@ class ModelCaches:
             if not slots:
                 return
             slots = torch.tensor(slots, dtype=torch.long)
+        idx = None
         for st in self.gdn:
             if st is None:
                 continue
-            idx = slots.to(st.conv.device, torch.long)
+            if idx is None:
+                idx = to_device_async(slots.to(torch.long), st.conv.device)
             st.conv.index_fill_(0, idx, 0)
             st.ssm.index_fill_(0, idx, 0)
 

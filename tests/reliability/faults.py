@@ -43,7 +43,9 @@ class PoisonRow:
             return None
         slots = batch.state_slots.tolist()
         for req in list(self.engine.requests.values()):
-            if req.state_slot in slots and self.target(req) and req.num_output_tokens == self.after_tokens:
+            # tokens of a step still in flight (overlapped scheduling) count: they precede this step's
+            produced = req.num_output_tokens + req.num_pending_tokens
+            if req.state_slot in slots and self.target(req) and produced == self.after_tokens:
                 # Only the step that completes the prompt (or decodes) produces the token we count from.
                 pos = slots.index(req.state_slot)
                 if req.num_computed_tokens + batch.cu_seqlens_q_cpu[pos + 1] - batch.cu_seqlens_q_cpu[pos] \

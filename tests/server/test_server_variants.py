@@ -104,8 +104,8 @@ def _nan_logits_after(eng: AsyncEngine, good_steps: int) -> None:
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def execute(sched: Any) -> Any:
-        logits, rows = real_execute(sched)
+    def execute(sched: Any, inflight_tokens: Any = None) -> Any:
+        logits, rows = real_execute(sched, inflight_tokens)
         calls["n"] += 1
         if logits is not None and calls["n"] == good_steps + 1:
             logits = torch.full_like(logits, float("nan"))

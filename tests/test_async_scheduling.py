@@ -1,0 +1,134 @@
+"""Overlapped scheduling (EngineConfig.async_scheduling) on the demo model (CPU): the next step is queued
+before the host has seen the tokens of the one before it, which it then reads on the device. Whatever the
+mix of prefill chunks, preemptions, stop conditions, sampling settings and aborts, the outputs must be
+exactly those of the synchronous engine, and every block and state slot must come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.engine.llm import LLM
+from nibble.engine.sampling_params import SamplingParams
+
+
+def _prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 990, (n,), generator=gen).tolist() for n in lens]
+
+
+def _spy_inflight(llm: LLM) -> list[bool]:
+    """Record, per executed step, whether it was given the tokens of a step still in flight."""
+    seen: list[bool] = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def spy(sched, inflight_tokens=None):
+        seen.append(inflight_tokens is not None)
+        return execute(sched, inflight_tokens)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return seen
+
+
+def _run(prompts: list[list[int]], params: list[SamplingParams] | SamplingParams, overlap: bool, **engine):
+    llm = LLM(device="cpu", max_model_len=256, async_scheduling=overlap, **engine)
+    seen = _spy_inflight(llm)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.blocks.all_free()
+    assert all(not r.pending_rows for r in llm.engine.requests.values())
+    return outs, seen, llm
+
+
+def _fields(outs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return _prompts([5, 40, 17, 3, 64, 29, 9])
+
+
+def test_greedy_with_chunked_prefill_and_preemption_matches_sync(prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = {"max_num_batched_tokens": 16, "extra": {"num_kv_blocks": 14}}
+    sync, seen_sync, _ = _run(prompts, params, False, **engine)
+    over, seen_over, llm = _run(prompts, params, True, **engine)
+    assert _fields(over) == _fields(sync)
+    assert not any(seen_sync)
+    assert sum(seen_over) > len(seen_over) // 2  # most steps ran overlapped
+    assert llm.engine.num_preemptions > 0
+
+
+def test_requests_reaching_max_tokens_are_not_scheduled_again(prompts) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    sync, seen_sync, _ = _run(prompts, params, False)
+    over, seen_over, _ = _run(prompts, params, True)
+    assert _fields(over) == _fields(sync)
+    assert len(seen_over) == len(seen_sync)
+
+
+def test_stop_tokens_stop_strings_min_tokens_and_eos_match_sync(prompts) -> None:
+    free = _run(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), False)[0]
+    params = []
+    for i, o in enumerate(free):
+        ids, text = o.outputs[0].token_ids, o.outputs[0].text
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[ids[4]]))
+        elif i % 3 == 1 and len(text) > 6:
+            params.append(SamplingParams(temperature=0.0, max_tokens=20, stop=[text[3:6]]))
+        else:
+            # min_tokens keeps the stop token (the 3rd one sampled) suppressed for the first 5 tokens
+            params.append(SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[ids[2]], min_tokens=5))
+    sync = _run(prompts, params, False)[0]
+    over, seen, _ = _run(prompts, params, True)
+    assert _fields(over) == _fields(sync)
+    assert any(seen)
+    assert any(o.outputs[0].finish_reason == "stop" for o in sync)
+
+
+def test_seeded_sampling_and_logprobs_match_sync(prompts) -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True,
+                            logprobs=3)
+    sync = _run(prompts, params, False)[0]
+    over, seen, _ = _run(prompts, params, True)
+    assert _fields(over) == _fields(sync)
+    for a, b in zip(over, sync):
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert [x.token_id for x in la] == [x.token_id for x in lb]
+        assert [x.logprob for x in la] == pytest.approx([x.logprob for x in lb])
+        assert [set(x.top) for x in la] == [set(x.top) for x in lb]
+    assert any(seen)
+
+
+def test_penalties_turn_overlap_off(prompts) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * (len(prompts) - 1)
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3))
+    sync = _run(prompts, params, False)[0]
+    over, seen, _ = _run(prompts, params, True)
+    assert _fields(over) == _fields(sync)
+    assert not any(seen)
+
+
+def test_abort_while_a_step_is_in_flight() -> None:
+    prompts = _prompts([12, 20])
+    llm = LLM(device="cpu", max_model_len=256)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    alone = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
+    engine.add_request("a", prompts[0], params)
+    engine.add_request("b", prompts[1], params)
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+    final = engine.abort_request("a")
+    assert final is not None and final.outputs[0].finish_reason == "abort"
+    assert all(t >= 0 for t in final.outputs[0].token_ids)
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "b"
+            done = out if out.finished else done
+    assert done is not None and done.outputs[0].token_ids == alone
+    assert engine.blocks.all_free()
