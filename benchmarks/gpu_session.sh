@@ -40,6 +40,7 @@ stage_env() {
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
 stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
+stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
