@@ -22,7 +22,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(overlap: bool, params: list[SamplingParams]) -> tuple[list[list[int]], int, LLM]:
-    llm = LLM(device="cuda", max_model_len=512, async_scheduling=overlap)
+    llm = LLM(device="cuda", max_model_len=512, async_scheduling=overlap, extra={"num_kv_blocks": 512})
     runner = llm.engine.runner
     execute = runner.execute
     overlapped = []
@@ -38,18 +38,19 @@ def _generate(overlap: bool, params: list[SamplingParams]) -> tuple[list[list[in
 
 
 def test_overlapped_scheduling_matches_sync_on_gpu() -> None:
-    assert LLM(device="cuda", max_model_len=512).engine.runner.graphs is not None
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(4)]
     params += [SamplingParams(temperature=0.7, top_p=0.9, seed=11 + i, max_tokens=20, ignore_eos=True)
                for i in range(4)]
-    sync, n_sync, _ = _generate(False, params)
+    sync, n_sync, llm = _generate(False, params)
+    assert llm.engine.runner.graphs is not None
+    del llm
     over, n_over, _ = _generate(True, params)
     assert n_sync == 0 and n_over > 10
     assert over == sync
 
 
 def test_overlapped_decode_steps_do_not_sync() -> None:
-    llm = LLM(device="cuda", max_model_len=512)
+    llm = LLM(device="cuda", max_model_len=512, extra={"num_kv_blocks": 512})
     engine = llm.engine
     for i, p in enumerate(_prompts()):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
