@@ -4,10 +4,11 @@ the model, samples, detokenizes incrementally, applies stop conditions and repor
 Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): once a step's model and sampling
 work is queued on the device, `step` schedules and queues the next one before it waits for the sampled
 tokens, feeding them to the next step on the device (the requests' pending tokens, request.py), and then
-detokenizes and reports while the device runs that next step. So the host's work between two steps no
-longer leaves the GPU idle. A request that stops (EOS, stop string, error, abort) has its row of the step
-already queued discarded; requests reaching max_tokens are not scheduled again. Off under tensor
-parallelism and while any request uses repetition/presence/frequency penalties (they need every token).
+detokenizes and reports while the device runs that next step. So the host's work between two decode
+steps no longer leaves the GPU idle; only decode steps are queued ahead (see `_can_overlap`). A request
+that stops (EOS, stop string, error, abort) has its row of the step already queued discarded; requests
+reaching max_tokens are not scheduled again. Off under tensor parallelism and while any request uses
+repetition/presence/frequency penalties (they need every token on the host).
 """
 
 from __future__ import annotations
@@ -217,7 +218,13 @@ class LLMEngine:
             raise
 
     def _can_overlap(self) -> bool:
-        return (self.config.async_scheduling and self.workers is None
+        """Whether to queue the next step before this one's tokens are seen: only when it will be a pure
+        decode step. Queuing an eager prefill is itself long host work (about a thousand launches per chunk)
+        that would hold back the delivery of this step's tokens (measured: median TTFT 1.18 s instead of
+        0.49 s at 8 concurrent 1024-token prompts on the H200)."""
+        sched = self.scheduler
+        return (self.config.async_scheduling and self.workers is None and not sched.waiting
+                and all(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running)
                 and not any(r.sampling_params.needs_penalties for r in self.requests.values()))
 
     def _launch(self, inflight: _Launched | None) -> _Launched | None:
