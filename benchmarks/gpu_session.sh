@@ -175,6 +175,10 @@ stage_asynce2e() {  # 122B decode steps with overlapped scheduling (default), wi
   done
 }
 
+stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped scheduling on / off / on
+  run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"
+}
+
 stage_profile35() {
   run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
 }
@@ -206,6 +210,8 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
 }
 stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 120 230 --max-num-seqs 128; }
 stage_serve122sync() { serve_and_bench 122sync $M/Qwen3.5-122B-A10B-NVFP4 1,8,32 1 120 150 --max-num-seqs 128 --no-async-scheduling; }
+stage_serve122c8() { serve_and_bench 122c8 $M/Qwen3.5-122B-A10B-NVFP4 8 1 120 60 --max-num-seqs 128; }
+stage_serve122c8sync() { serve_and_bench 122c8sync $M/Qwen3.5-122B-A10B-NVFP4 8 1 120 60 --max-num-seqs 128 --no-async-scheduling; }
 stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 80 130 --max-num-seqs 128; }
 stage_serve35c128() { serve_and_bench 35c128 $M/Qwen3.5-35B-A3B-NVFP4 128 1 35 60 --max-num-seqs 128; }
 stage_peer35() {
