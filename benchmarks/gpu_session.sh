@@ -2,7 +2,8 @@
 # One device call = one run of this script: installs the carried wheels, then runs the named stages in order,
 # each under its own time limit, logging to $OUT/<stage>.log and printing a short summary at the end.
 #   bash benchmarks/gpu_session.sh env gputests kernels latency35 ...
-# Stages are listed in stage_* functions below. Needs: .whl/ carried (fla-core, fastapi stack).
+# Stages are listed in stage_* functions below. Needs: .whl/ carried (fla-core, fastapi stack) and .bench_assets/
+# for the serve stages; scripts/prepare_device_assets.sh fills both.
 set -uo pipefail
 # Stages write under a work folder; after every stage it is packed into $OUT/results.tgz (the device tool
 # brings back at most 8 files) and the summary is copied next to it, so a run cut short still returns data.
