@@ -83,7 +83,8 @@ def _sync(device: torch.device) -> None:
 
 
 def run_latency(engine: Any, batch_size: int, input_len: int, output_len: int, num_iters: int = 1) -> dict[str, Any]:
-    """Prefill `batch_size` random prompts of input_len tokens, then decode output_len steps; timings per phase."""
+    """Prefill `batch_size` random prompts of input_len tokens, then decode output_len steps; timings per phase:
+    prefill_s until every request has its first token, decode steps after that."""
     from nibble.engine.sampling_params import SamplingParams
 
     device = engine.device
@@ -96,27 +97,29 @@ def run_latency(engine: Any, batch_size: int, input_len: int, output_len: int, n
             engine.add_request(f"lat-{it}-{i}", prompt,
                                SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
         step_times: list[float] = []
-        prefill_time = 0.0
+        first_token: dict[str, float] = {}
         _sync(device)
         t_start = time.perf_counter()
         # No device sync per step: with overlapped scheduling `step` returns while the next step runs, and the
         # interval between two returns is the step time either way (a step waits for its sampled tokens).
+        # Decode steps are those after every request has its first token (no prefill chunk in the batch).
         t_prev = t_start
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()
-            dt, t_prev = now - t_prev, now
-            if all(len(o.outputs[0].token_ids) <= 1 for o in outs) and not step_times:
-                prefill_time += dt
-            else:
-                step_times.append(dt)
+            if len(first_token) == batch_size:
+                step_times.append(now - t_prev)
+            t_prev = now
+            for o in outs:
+                first_token.setdefault(o.request_id, now)
+        prefill_time = max(first_token.values()) - t_start
         _sync(device)
         total = time.perf_counter() - t_start
         results.append((prefill_time, step_times, total))
     prefill_time, step_times, total = results[-1]
     median = statistics.median(step_times) if step_times else float("nan")
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-            "prefill_s": prefill_time, "decode_step_median_ms": median * 1e3,
+            "prefill_s": prefill_time, "num_decode_steps": len(step_times), "decode_step_median_ms": median * 1e3,
             "decode_step_p90_ms": (sorted(step_times)[int(0.9 * (len(step_times) - 1))] * 1e3
                                    if step_times else float("nan")),
             "decode_tok_s": batch_size / median if step_times else float("nan"),
