@@ -132,3 +132,25 @@ def test_abort_while_a_step_is_in_flight() -> None:
             done = out if out.finished else done
     assert done is not None and done.outputs[0].token_ids == alone
     assert engine.blocks.all_free()
+
+
+def test_pending_tokens_in_token_slice_and_runner_inputs() -> None:
+    from nibble.engine.model_runner import _pending_inputs
+    from nibble.engine.request import PENDING_BASE, Request
+
+    req = Request("r", [1, 2, 3], SamplingParams())
+    req.output_token_ids = [4, 5]
+    req.pending_rows = [7]
+    assert req.num_tokens == 6 and req.num_output_tokens == 2 and req.num_pending_tokens == 1
+    assert req.token_slice(0, 6) == [1, 2, 3, 4, 5, PENDING_BASE - 7]
+    assert req.token_slice(5, 6) == [PENDING_BASE - 7]
+    assert req.token_slice(2, 4) == [3, 4]
+
+    inflight = torch.tensor([10, 11, 12])
+    ids, pending = _pending_inputs([5, PENDING_BASE, 7, PENDING_BASE - 2], inflight, torch.device("cpu"))
+    assert ids == [5, 0, 7, 0]
+    assert pending is not None
+    assert pending[0].tolist() == [1, 3] and pending[1].tolist() == [10, 12]
+    assert _pending_inputs([5, 6], None, torch.device("cpu")) == ([5, 6], None)
+    with pytest.raises(RuntimeError, match="no step is in flight"):
+        _pending_inputs([PENDING_BASE], None, torch.device("cpu"))
