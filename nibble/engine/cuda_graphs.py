@@ -9,7 +9,8 @@ import logging
 import torch
 from torch import nn
 
-from nibble.layers.forward_batch import ForwardBatch, ModelCaches, to_device_async
+from nibble.kernels.host_copy import to_device_async
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 
 logger = logging.getLogger("nibble.engine")
 

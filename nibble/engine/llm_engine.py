@@ -32,7 +32,7 @@ from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams
-from nibble.engine.scheduler import Scheduler
+from nibble.engine.scheduler import ScheduledBatch, Scheduler
 from nibble.engine.tokenizer import Tokenizer
 from nibble.models.config import ModelConfig
 
@@ -51,12 +51,11 @@ class EngineOverloaded(RuntimeError):
 
 @dataclass
 class _Launched:
-    """A step queued on the device (`step`: its number; its batch size and tokens): the requests whose rows
-    were sampled (in row order) and their tokens."""
+    """A step queued on the device (`step`: its number; `sched`: its batch): the requests whose rows were
+    sampled (in row order) and their tokens."""
 
     step: int
-    num_seqs: int
-    num_tokens: int
+    sched: ScheduledBatch
     sampled: list[Request]
     pending: PendingSample | None
 
@@ -240,12 +239,12 @@ class LLMEngine:
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         if logits is None:
-            return _Launched(self.num_steps, len(sched.requests), sched.num_tokens, [], None)
+            return _Launched(self.num_steps, sched, [], None)
         sampled = [sched.requests[i] for i in rows]
         pending = sample_launch(logits, sampled, self._generator)
         for j, req in enumerate(sampled):
             req.pending_rows.append(j)
-        return _Launched(self.num_steps, len(sched.requests), sched.num_tokens, sampled, pending)
+        return _Launched(self.num_steps, sched, sampled, pending)
 
     def _finish_step(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a step's sampled tokens and hand them to their requests (stop conditions, text)."""
@@ -263,7 +262,8 @@ class LLMEngine:
                 req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {launched.step} "
                              f"for this request; generation stopped")
                 logger.error("non-finite logits: request %s, step %d, batch of %d sequences (%d tokens)",
-                             req.request_id, launched.step, launched.num_seqs, launched.num_tokens)
+                             req.request_id, launched.step, len(launched.sched.requests),
+                             launched.sched.num_tokens)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(self._output(req))
                 continue

@@ -22,7 +22,8 @@ from nibble.engine.cuda_graphs import DecodeGraphs
 from nibble.engine.request import PENDING_BASE
 from nibble.engine.scheduler import ScheduledBatch
 from nibble.engine.step_inputs import StepInputs
-from nibble.layers.forward_batch import ForwardBatch, ModelCaches, to_device_async
+from nibble.kernels.host_copy import to_device_async
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 from nibble.layers.parallel import SINGLE, ParallelContext
 from nibble.models.config import FULL_ATTENTION, ModelConfig
 

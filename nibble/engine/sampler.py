@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from nibble.engine.request import Request, TokenLogprobs
-from nibble.layers.forward_batch import to_device_async
+from nibble.kernels.host_copy import to_device_async
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Scheduler:
             if req not in self.running or budget <= 0:
                 continue
             max_tokens = req.sampling_params.max_tokens
-            done = max_tokens is not None and req.num_output_tokens + len(req.pending_rows) >= max_tokens
+            done = max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= max_tokens
             if req.pending_rows and done:
                 continue  # finishes when its pending tokens are seen: another step would run past its end
             n = min(req.num_tokens - req.num_computed_tokens, budget)

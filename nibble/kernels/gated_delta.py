@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels.host_copy import to_device_async
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -136,10 +137,7 @@ def fla_chunk_indices(cu_seqlens_cpu: list[int], device: torch.device) -> torch.
     pinned memory (a pageable host-to-device copy waits for the stream, fla's own way a device read)."""
     rows = [(i, j) for i, (a, b) in enumerate(itertools.pairwise(cu_seqlens_cpu))
             for j in range(-(-(b - a) // FLA_CHUNK))]
-    host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device_async(torch.tensor(rows, dtype=torch.long).reshape(-1, 2), device)
 
 
 def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nibble.kernels.host_copy import to_device_async
+
 
 @dataclass
 class ForwardBatch:
@@ -99,15 +101,6 @@ class ForwardBatch:
             cu_seqlens_q_cpu=cu,
             seq_lens_cpu=seq_lens,
         )
-
-
-def to_device_async(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`, copied without making the host wait for the stream (a copy from pageable
-    memory may; the engine queues steps while the one before runs): through pinned memory on a GPU."""
-    device = torch.device(device)
-    if device.type == "cpu" or x.device.type != "cpu":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _packed(parts: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
