@@ -42,6 +42,7 @@ stage_env() {
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
 stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
+stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or paged or conv1d or gated_delta or chunk_plan or elementwise or route or nvfp4_linear or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
@@ -176,6 +177,10 @@ stage_asynce2e() {  # 122B decode steps with overlapped scheduling (default), wi
   done
 }
 
+stage_compiletrace() {  # Triton compilations per request burst (random prompt lengths), no warm-up burst
+  run compiletrace 300 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 \
+    --bursts 8,32,32 --modes on --random-lens --no-warm-burst --trace-compiles --output-len 16 --out "$OUT/compiletrace.json"
+}
 stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped scheduling on / off / on
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"
 }
@@ -206,13 +211,14 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
     --prompts-per-concurrency "$ppc" --num-warmups 0 --disable-tqdm --save-result --result-dir "$OUT" \
     --result-filename "bench_$name.json" --plot "$OUT/bench_$name.png"
   kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
-  grep -E "kernels:|self-test|engine ready|captured" "$OUT/serve_$name.log" >> "$SUMMARY"
+  grep -E "kernels:|self-test|engine ready|captured|warm-up|CUDA graphs ready" "$OUT/serve_$name.log" >> "$SUMMARY"
   pack
 }
 stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 120 230 --max-num-seqs 128; }
 stage_serve122sync() { serve_and_bench 122sync $M/Qwen3.5-122B-A10B-NVFP4 1,8,32 1 120 150 --max-num-seqs 128 --no-async-scheduling; }
 stage_serve122c8() { serve_and_bench 122c8 $M/Qwen3.5-122B-A10B-NVFP4 8 1 120 60 --max-num-seqs 128; }
 stage_serve122c8sync() { serve_and_bench 122c8sync $M/Qwen3.5-122B-A10B-NVFP4 8 1 120 60 --max-num-seqs 128 --no-async-scheduling; }
+stage_serve122first() { serve_and_bench 122first $M/Qwen3.5-122B-A10B-NVFP4 8,32 1 300 90 --max-num-seqs 128; }
 stage_serve35() { serve_and_bench 35 $M/Qwen3.5-35B-A3B-NVFP4 1,8,32,128 1 80 130 --max-num-seqs 128; }
 stage_serve35c128() { serve_and_bench 35c128 $M/Qwen3.5-35B-A3B-NVFP4 128 1 35 60 --max-num-seqs 128; }
 stage_peer35() {

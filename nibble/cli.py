@@ -30,6 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before scheduling the next (default: overlap them)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the start-up warm-up that compiles kernels for every step shape (GPU only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe-backend", default=None)
     p.add_argument("--attention-backend", default=None)
@@ -46,7 +48,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, seed=args.seed,
+        async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
 

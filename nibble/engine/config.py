@@ -36,6 +36,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
+    warmup: bool = True
     cuda_graph_max_batch_size: int = 256
     seed: int = 0
     moe_backend: str | None = None

@@ -34,6 +34,7 @@ from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
 from nibble.engine.tokenizer import Tokenizer
+from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
 
 logger = logging.getLogger("nibble.engine")
@@ -120,9 +121,38 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        if config.warmup and self.device.type == "cuda":
+            try:
+                self.warm_up()
+            except BaseException:
+                self.shutdown()
+                raise
         logger.info("engine ready in %.1f s: %d KV blocks x %d tokens, %d state slots, max_model_len %d, device %s",
                     time.perf_counter() - t0, self.blocks.num_blocks, config.block_size,
                     self.blocks.num_state_slots, self.max_model_len, self.device)
+
+    def warm_up(self) -> float:
+        """Run dummy requests through every kind of step so that kernels are compiled and autotuned before
+        real requests arrive (nibble/engine/warmup.py), then `reset()`; returns the seconds taken."""
+        return warm_up(self)
+
+    def reset(self) -> None:
+        """Return an idle engine to its start-up state: no step in flight, counters at zero, the sampling
+        generator reseeded with the configured seed."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset needs an idle engine: requests are still running or waiting")
+        if self._inflight is not None:
+            self._finish_step(self._inflight)
+            self._inflight = None
+        if not self.blocks.all_free():
+            raise RuntimeError("reset: KV-cache blocks or state slots are still held by finished requests")
+        self.requests.clear()
+        self._text.clear()
+        self._generator.manual_seed(self.config.seed)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_preemptions = 0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device); no step may follow."""

@@ -28,7 +28,7 @@ def moe_combine_ref(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torc
     return (routed.float() + torch.sigmoid(gate_logit.float()) * shared.float()).to(routed.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gated_mul_kernel(x_ptr, g_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g, stride_o, SILU: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -40,7 +40,7 @@ def _gated_mul_kernel(x_ptr, g_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g,
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (x * gate).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _moe_combine_kernel(r_ptr, s_ptr, gl_ptr, out_ptr, n_rows, n_cols, stride_r, stride_s, stride_gl, stride_o,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)

@@ -54,18 +54,19 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, out_ptr, n_ch, str
         tl.store(s_base + j * stride_s1, nxt, mask=cmask)
 
 
-@triton.jit
-def _conv1d_varlen_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slots_ptr, out_ptr, n_tok, n_seq, n_ch, stride_x,
-                          stride_s0, stride_s1, stride_o, WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["n_tok", "n_seq", "search_steps"])
+def _conv1d_varlen_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slots_ptr, out_ptr, n_tok, n_seq, search_steps, n_ch,
+                          stride_x, stride_s0, stride_s1, stride_o, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask = tok < n_tok
     cmask = ch < n_ch
-    # sequence of each token: binary search keeping cu[lo] <= tok < cu[hi]
+    # sequence of each token: binary search keeping cu[lo] <= tok < cu[hi]. The step count is a runtime
+    # argument (not a constexpr) so that batches of new sizes reuse the compiled kernel.
     lo = tl.zeros([BLOCK_T], dtype=tl.int32)
     hi = tl.zeros([BLOCK_T], dtype=tl.int32) + n_seq
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (lo + hi) // 2
         right = tl.load(cu_ptr + mid) <= tok
         lo = tl.where(right, mid, lo)
@@ -155,9 +156,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     block_t = 16
     steps = max(1, (b - 1).bit_length())
     _conv1d_varlen_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-        x, weight, conv_state, cu_seqlens, state_slots, out, t, b, c, x.stride(0), conv_state.stride(0),
-        conv_state.stride(1), out.stride(0), WIDTH=width, SEARCH_STEPS=steps, BLOCK_T=block_t,
-        BLOCK_C=block_c, num_warps=4)
+        x, weight, conv_state, cu_seqlens, state_slots, out, t, b, steps, c, x.stride(0), conv_state.stride(0),
+        conv_state.stride(1), out.stride(0), WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     rows = 1 << max(0, (width - 2).bit_length())
     _conv1d_state_kernel[(b, triton.cdiv(c, block_c))](
         x, conv_state, cu_seqlens, state_slots, c, x.stride(0), conv_state.stride(0), conv_state.stride(1),

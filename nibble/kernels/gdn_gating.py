@@ -32,7 +32,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gdn_gating_kernel(a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, g_ptr, beta_ptr, n_rows, n_heads, stride_a,
                        stride_b, stride_g, stride_beta, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)

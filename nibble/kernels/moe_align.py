@@ -88,7 +88,8 @@ def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
     tl.store(sorted_ptr + s + r, offs, mask=mask & (s >= 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "max_blocks", "min_count", "max_count", "max_blocks2", "min_count2",
+                                "max_count2"])
 def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs,
                         n_exp, max_blocks, min_count, max_count, start2_ptr, block_expert2_ptr, sorted2_ptr,
                         max_blocks2, min_count2, max_count2, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr,
@@ -113,20 +114,20 @@ def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_p
         _scatter(ids_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n_pairs, BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     _count(ids_ptr, counts_ptr, rank_ptr, offs, offs < n_pairs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "min_count", "max_count"])
 def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
     _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M,
           BLOCK_E, FILL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)

@@ -7,7 +7,7 @@ import torch
 from nibble.kernels._triton import next_pow2, tl, triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_tok, n_exp, stride_l, TOP_K: tl.constexpr,
                   RENORM: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

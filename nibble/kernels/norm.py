@@ -105,7 +105,7 @@ def _norm_heads(x_ptr, w_ptr, out_ptr, block, n_rows, n_heads, dim, stride_t, st
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q_rows", "n_k_rows"])
 def _qk_rms_norm_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, n_q_rows, n_k_rows, n_q_heads, n_k_heads,
                         dim, stride_qt, stride_qh, stride_kt, stride_kh, eps, ROWS: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -145,7 +145,7 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     return q_out, k_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g, stride_o, eps,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)

@@ -48,7 +48,7 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])
 def _w4_linear_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out, n_k, k_chunk, chunk_units,
                       chunk_groups, stride_xt, stride_qn, stride_sn, stride_ot, XMODE: tl.constexpr,
                       DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -105,7 +105,7 @@ def _nvfp4_gemv_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, n_out, n_k, stride_x
     tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])
 def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out, n_k, k_per_split, stride_xt,
                        stride_qn, stride_sn, stride_ot, SPLIT: tl.constexpr, GROUP_M: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -144,7 +144,7 @@ def _nvfp4_gemm_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out
                  mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_elem"])
 def _split_sum_kernel(ws_ptr, out_ptr, n_elem, n_out, stride_ot, n_split, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elem

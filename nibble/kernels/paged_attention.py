@@ -31,7 +31,7 @@ def _load_kv_tile(ptr, offs, mask, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexp
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_qblk", "n_splits"])
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, lens_ptr, bt_ptr,
                        qk_scale, v_scale, group, n_heads, head_dim, n_qblk, n_splits,
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -118,7 +118,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
                  o.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _merge_splits_kernel(po_ptr, plse_ptr, out_ptr, n_heads, n_splits, head_dim, stride_pt, stride_ph,
                          stride_ps, stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)

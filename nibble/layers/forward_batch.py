@@ -80,7 +80,9 @@ class ForwardBatch:
                 slot_mapping.append(blocks[p // block_size] * block_size + p % block_size)
             cu.append(cu[-1] + n)
             seq_lens.append(ctx + n)
-        width = max_num_blocks or max((len(b) for b in block_tables), default=1) or 1
+        # Rounded up to a multiple of 16: the row stride is a kernel argument, and Triton compiles a new
+        # variant for each of its divisibility classes (1, 16k, other) on first use in a step.
+        width = max_num_blocks or -(-max((len(b) for b in block_tables), default=1) // 16) * 16 or 16
         table = [x for b in block_tables for x in (*b, *([0] * (width - len(b))))]
         logits_indices = [c - 1 for c in cu[1:]]
         # one host buffer per dtype, one asynchronous copy each (segments 32-byte aligned for the kernels)

@@ -28,8 +28,8 @@ GRACEFUL_SHUTDOWN_S = 10
 _ENGINE_FIELDS = (
     "model", "tokenizer", "served_model_name", "device", "dtype", "kv_cache_dtype", "load_format", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
-    "enforce_eager", "async_scheduling", "cuda_graph_max_batch_size", "seed", "moe_backend", "attention_backend",
-    "linear_backend", "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
+    "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "seed", "moe_backend",
+    "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
 )
 
 
@@ -81,6 +81,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                         help="wait for each step's sampled tokens before scheduling the next one (default: "
                              "schedule and queue the next step while the GPU runs this one)")
+    engine.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                        help="skip the start-up warm-up: dummy requests that compile and autotune the kernels "
+                             "of every step shape before the server takes requests (GPU only; default: run it)")
     engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch captured in a CUDA graph (default: 256)")
     engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")

@@ -67,3 +67,29 @@ def test_overlapped_decode_steps_do_not_sync() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.blocks.all_free()
+
+
+def test_no_kernel_compiles_after_the_warm_up() -> None:
+    """After the start-up warm-up, bursts of prompts of any lengths (varlen prefill, chunks continuing on a
+    cached prefix, mixed and decode steps, new batch sizes) compile no Triton kernel: each would cost a
+    request 0.1-1 s on arrival."""
+    import triton
+
+    llm = LLM(device="cuda", max_model_len=1024, max_num_batched_tokens=256, extra={"num_kv_blocks": 1024})
+    compiled: list[str] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:
+        compiled.append(fn.name)
+        return False
+
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for n in (3, 17, 40):
+            lens = torch.randint(1, 700, (n,), generator=gen).tolist()
+            prompts = [torch.randint(0, 990, (m,), generator=gen).tolist() for m in lens]
+            llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True))
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert compiled == []

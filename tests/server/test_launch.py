@@ -35,13 +35,15 @@ def test_flags_map_to_engine_config() -> None:
                  "--max-model-len", "4096", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
                  "--gpu-memory-utilization", "0.8", "--block-size", "32", "--enforce-eager", "--seed", "7",
                  "--moe-backend", "triton", "--attention-backend", "torch", "--linear-backend", "triton",
-                 "--max-waiting-requests", "10", "--kv-cache-memory-gb", "2", "--log-level", "DEBUG")
+                 "--max-waiting-requests", "10", "--kv-cache-memory-gb", "2", "--log-level", "DEBUG",
+                 "--no-async-scheduling", "--no-warmup")
     config = EngineConfig(**engine_config_kwargs(args))
     expected = {"model": "/m", "tokenizer": "/t", "served_model_name": "qwen", "device": "cpu", "dtype": "bfloat16",
                 "kv_cache_dtype": "fp8_e4m3", "load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 32,
                 "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.8, "block_size": 32,
                 "enforce_eager": True, "seed": 7, "moe_backend": "triton", "attention_backend": "torch",
-                "linear_backend": "triton", "max_waiting_requests": 10, "kv_cache_memory_gb": 2.0}
+                "linear_backend": "triton", "max_waiting_requests": 10, "kv_cache_memory_gb": 2.0,
+                "async_scheduling": False, "warmup": False}
     assert {k: getattr(config, k) for k in expected} == expected
     assert args.log_level == "debug"
 
