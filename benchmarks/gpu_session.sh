@@ -43,6 +43,7 @@ stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests
 stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
 stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or paged or conv1d or gated_delta or chunk_plan or elementwise or route or nvfp4_linear or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf; }
+stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
@@ -180,6 +181,18 @@ stage_asynce2e() {  # 122B decode steps with overlapped scheduling (default), wi
 stage_compiletrace() {  # Triton compilations per request burst (random prompt lengths), no warm-up burst
   run compiletrace 300 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 \
     --bursts 8,32,32 --modes on --random-lens --no-warm-burst --trace-compiles --output-len 16 --out "$OUT/compiletrace.json"
+}
+stage_abgdn() {  # decode steps, working tree against old_src.tgz (`git archive <commit> nibble | gzip`), new/old/new
+  local root=$PWD
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf old_src.tgz -C /tmp/old || return
+  for model in ${AB_MODELS:-122B-A10B 35B-A3B}; do
+    for v in new old new2; do
+      local dir=$root; [ $v = old ] && dir=/tmp/old
+      (cd $dir && run ab_${model}_$v 240 env PYTHONPATH=/tmp/site:$dir python3 -m nibble.cli bench latency \
+        --model $root/$M/Qwen3.5-$model-NVFP4 --load-format dummy --batch-sizes 1,8,32 --input-len 256 \
+        --output-len 64 --max-num-seqs 32 --output-json "$OUT/ab_${model}_$v.json")
+    done
+  done
 }
 stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped scheduling on / off / on
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"

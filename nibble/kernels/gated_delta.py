@@ -1,5 +1,5 @@
 """Gated delta rule (the recurrence of Gated DeltaNet) over a varlen batch, with states kept in a slot
-pool and updated in place."""
+pool and updated in place; and its decode step with the layer's gating (gdn_gating.py) fused in."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels.gdn_gating import _softplus, gdn_gating_ref
 from nibble.kernels.host_copy import to_device_async
 
 
@@ -46,10 +47,14 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 @triton.jit
-def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_ptr, slots_ptr, out_ptr,
-                          dk, dv, rep, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_gt, stride_bt, stride_s0, stride_s1, stride_s2, stride_ot, stride_oh,
-                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, cu_ptr,
+                          slots_ptr, out_ptr, dk, dv, rep, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_gt, stride_bt, stride_s0, stride_s1, stride_s2, stride_ot,
+                          stride_oh, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATING: tl.constexpr,
+                          ONE_TOKEN: tl.constexpr):
+    # GATING: g_ptr / beta_ptr hold the projection's raw a / b columns, turned into g and beta here exactly as
+    # _gdn_gating_kernel does (beta rounded to b's dtype as it would be stored); ONE_TOKEN: sequence i is
+    # token i (decode), cu_ptr is not read
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // rep
@@ -63,14 +68,24 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_pt
     smask = kmask[:, None] & vmask[None, :]
     # the state tile stays in registers across the sequence's tokens and is written back once
     state = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    if ONE_TOKEN:
+        start = seq.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     for t64 in range(start, end):
         q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t64 * stride_vt + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t64 * stride_gt + hv).to(tl.float32)
-        beta = tl.load(beta_ptr + t64 * stride_bt + hv).to(tl.float32)
+        if GATING:
+            a = tl.load(g_ptr + t64 * stride_gt + hv).to(tl.float32)
+            g = tl.load(neg_a_ptr + hv) * _softplus(a + tl.load(dt_bias_ptr + hv))
+            b = tl.load(beta_ptr + t64 * stride_bt + hv)
+            beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + t64 * stride_gt + hv).to(tl.float32)
+            beta = tl.load(beta_ptr + t64 * stride_bt + hv).to(tl.float32)
         q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         state = state * tl.exp(g)
@@ -83,7 +98,7 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, cu_pt
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           ssm_state: torch.Tensor, cu_seqlens: torch.Tensor, state_slots: torch.Tensor) -> None:
+           ssm_state: torch.Tensor, cu_seqlens: torch.Tensor | None, state_slots: torch.Tensor) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     t, hk, dk = q.shape
@@ -97,10 +112,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     if min(q.stride(2), k.stride(2), v.stride(2)) != 1 or g.stride(1) != 1 or beta.stride(1) != 1:
         raise ValueError("gated_delta_rule: the last dim of q, k, v, g, beta must be contiguous")
     b = state_slots.shape[0]
-    if cu_seqlens.shape != (b + 1,) or cu_seqlens.dtype != torch.int32 or state_slots.dtype != torch.int32:
+    if state_slots.dtype != torch.int32 or (cu_seqlens is not None and (cu_seqlens.shape != (b + 1,)
+                                                                        or cu_seqlens.dtype != torch.int32)):
         raise ValueError("gated_delta_rule: cu_seqlens int32 [B+1] and state_slots int32 [B] expected")
-    devs = {x.device for x in (q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)}
-    if len(devs) != 1:
+    devs = {x.device for x in (q, k, v, g, beta, ssm_state, state_slots)}
+    if len(devs) != 1 or (cu_seqlens is not None and cu_seqlens.device not in devs):
         raise ValueError("gated_delta_rule: tensors on different devices")
 
 
@@ -112,19 +128,64 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (no gather or scatter copies). L2 norm, scaling and GVA are fused. The decode path; also correct
     (but serial in time) for prefill."""
     _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1:]
-    b = state_slots.shape[0]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if t == 0 or b == 0:
+    if q.shape[0] == 0 or state_slots.shape[0] == 0:
         return out
+    _launch_recurrent(q, k, v, g, beta, g, g, ssm_state, cu_seqlens, state_slots, out, gating=False,
+                      one_token=False)
+    return out
+
+
+def _launch_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      neg_a: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      state_slots: torch.Tensor, out: torch.Tensor, gating: bool, one_token: bool) -> None:
+    hk, dk = q.shape[1:]
+    hv, dv = v.shape[1:]
     block_k = next_pow2(dk)
     block_v = max(1, min(next_pow2(dv), 4096 // block_k, 32))
-    _gdn_recurrent_kernel[(b, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, out, dk, dv, hv // hk, dk ** -0.5,
+    _gdn_recurrent_kernel[(state_slots.shape[0], hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, neg_a, dt_bias, ssm_state, cu_seqlens, state_slots, out, dk, dv, hv // hk, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), out.stride(0),
-        out.stride(1), BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4)
+        out.stride(1), BLOCK_K=block_k, BLOCK_V=block_v, GATING=gating, ONE_TOKEN=one_token, num_warps=4)
+
+
+def gated_delta_rule_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                                state_slots: torch.Tensor) -> torch.Tensor:
+    """One decode step of Gated DeltaNet, every sequence one token (token i belongs to sequence i):
+    `gdn_gating_ref(a, b, neg_A, dt_bias)` then `gated_delta_rule_ref`. q, k: [B, Hk, Dk]; v: [B, Hv, Dv];
+    a, b: [B, Hv] (any row stride); neg_A, dt_bias: fp32 [Hv]; ssm_state: fp32 [num_slots, Hv, Dk, Dv],
+    updated in place; state_slots: int32 [B]. Returns o [B, Hv, Dv] in v's dtype."""
+    g, beta = gdn_gating_ref(a, b, neg_A, dt_bias)
+    num = state_slots.shape[0]
+    cu = torch.arange(num + 1, dtype=torch.int32, device=q.device)
+    return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, cu, state_slots, cu_seqlens_cpu=list(range(num + 1)))
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                            neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                            state_slots: torch.Tensor) -> torch.Tensor:
+    """Triton `gated_delta_rule_decode_ref`: the recurrent kernel with the gating computed per (token, head)
+    in place of the separate gdn_gating launch (one launch fewer per GDN layer and decode step)."""
+    num = state_slots.shape[0]
+    if q.shape[0] != num or a.shape != (num, v.shape[1]) or b.shape != a.shape:
+        raise ValueError(f"gated_delta_rule_decode: one token per sequence expected: q {tuple(q.shape)}, "
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)}, {num} state slots")
+    if neg_A.shape != (a.shape[1],) or dt_bias.shape != neg_A.shape or neg_A.dtype != torch.float32 \
+            or dt_bias.dtype != torch.float32:
+        raise ValueError(f"gated_delta_rule_decode: neg_A {tuple(neg_A.shape)} {neg_A.dtype} / dt_bias "
+                         f"{tuple(dt_bias.shape)} {dt_bias.dtype} must be fp32 [{a.shape[1]}]")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gated_delta_rule_decode: the last dim of a and b must be contiguous")
+    _check(q, k, v, a, b, ssm_state, None, state_slots)
+    if neg_A.device != q.device or dt_bias.device != q.device:
+        raise ValueError("gated_delta_rule_decode: tensors on different devices")
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if num:
+        # ONE_TOKEN never reads the offsets: state_slots stands in for the pointer
+        _launch_recurrent(q, k, v, a, b, neg_A.contiguous(), dt_bias.contiguous(), ssm_state, state_slots,
+                          state_slots, out, gating=True, one_token=True)
     return out
 
 

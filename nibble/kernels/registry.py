@@ -128,6 +128,8 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
             Backend("triton", k + "gated_delta:gated_delta_rule_recurrent", triton_check),
             Backend("torch", k + "gated_delta:gated_delta_rule_ref", always),
         ),
+        "gated_delta_rule_decode": pair("gated_delta:gated_delta_rule_decode",
+                                        "gated_delta:gated_delta_rule_decode_ref"),
         "route": pair("moe_route:route", "moe:route_ref"),
         "fused_moe": (
             Backend("triton", k + "fused_moe:fused_moe", triton_check),

@@ -19,7 +19,7 @@ from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
 from nibble.kernels.conv1d import causal_conv1d_ref
-from nibble.kernels.gated_delta import gated_delta_rule_ref
+from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_ref
@@ -324,6 +324,24 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
+def test_gated_delta_rule_decode(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    b = 3
+    q, k, v = ctx.randn(b, hk, dk), ctx.randn(b, hk, dk), ctx.randn(b, hv, dv)
+    # a and b as the model sees them: strided columns of the fused in_proj output
+    proj = ctx.randn(b, 2 * hv + 5, scale=4.0)
+    bb, a = proj[:, :hv], proj[:, hv:2 * hv]
+    neg_a = -(ctx.rand(hv) * 15.0 + 1.0)
+    dt_bias = ctx.randn(hv, dtype=torch.float32)
+    state = ctx.randn(6, hv, dk, dv, dtype=torch.float32, scale=0.1)
+    state_ref = state.clone()
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32, device=ctx.device)
+    ref = gated_delta_rule_decode_ref(q, k, v, a, bb, neg_a, dt_bias, state_ref, slots)
+    out = _call(fn, ctx.device, [((b, hv, dv), ctx.dtype)], q, k, v, a, bb, neg_a, dt_bias, state, slots)
+    return max(rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", state, state_ref, ctx.tol))
+
+
 def test_route(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     t = 33
@@ -403,6 +421,7 @@ SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "causal_conv1d": test_causal_conv1d,
     "gdn_gating": test_gdn_gating,
     "gated_delta_rule": test_gated_delta_rule,
+    "gated_delta_rule_decode": test_gated_delta_rule_decode,
     "route": test_route,
     "fused_moe": test_fused_moe,
     "silu_and_mul": test_silu_and_mul,

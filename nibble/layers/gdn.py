@@ -80,9 +80,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.value_head_dim)
-        g, beta = self.kernels.gdn_gating(a, b, self.neg_A, self.dt_bias)
-        o = self.kernels.gated_delta_rule(q, k, v, g, beta, state.ssm, batch.cu_seqlens_q, batch.state_slots,
-                                          cu_seqlens_cpu=batch.cu_seqlens_q_cpu or None)
+        if batch.is_decode:
+            o = self.kernels.gated_delta_rule_decode(q, k, v, a, b, self.neg_A, self.dt_bias, state.ssm,
+                                                     batch.state_slots)
+        else:
+            g, beta = self.kernels.gdn_gating(a, b, self.neg_A, self.dt_bias)
+            o = self.kernels.gated_delta_rule(q, k, v, g, beta, state.ssm, batch.cu_seqlens_q, batch.state_slots,
+                                              cu_seqlens_cpu=batch.cu_seqlens_q_cpu or None)
         o = self.kernels.gated_rms_norm(o.reshape(-1, self.value_head_dim),
                                         z.reshape(-1, self.value_head_dim), self.norm_weight, self.eps)
         return self.out_proj(o.reshape(num_tokens, self.value_dim))

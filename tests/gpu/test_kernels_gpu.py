@@ -33,6 +33,8 @@ from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
 from nibble.kernels.gated_delta import (  # noqa: E402
     FLA_CHUNK,
     fla_chunk_indices,
+    gated_delta_rule_decode,
+    gated_delta_rule_decode_ref,
     gated_delta_rule_fla,
     gated_delta_rule_recurrent,
     gated_delta_rule_ref,
@@ -230,6 +232,29 @@ def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn, host_offsets
     out = torch.cat([torch.cat(o) for o in outs])
     assert rel(out, ref) < TOL
     assert rel(state, state_ref) < TOL
+
+
+@pytest.mark.parametrize("name", ["122B", "397B"])
+def test_gated_delta_decode_with_fused_gating(name: str) -> None:
+    """The decode step with the gating fused, on the real layer shapes: bitwise the separate gdn_gating
+    launch followed by the recurrent kernel, and the fp32 reference within tolerance."""
+    c = config(name)
+    b, hv = 5, c.linear_num_value_heads
+    q, k, v, _, _ = _gdn_inputs(c, b)
+    proj = torch.randn(b, 2 * hv + 8, device=DEV, dtype=BF16) * 8
+    bb, a = proj[:, :hv], proj[:, hv + 8:]
+    neg_a = -(torch.rand(hv, device=DEV) * 15 + 1)
+    dt_bias = torch.randn(hv, device=DEV)
+    shape = (9, hv, c.linear_key_head_dim, c.linear_value_head_dim)
+    state = torch.randn(shape, device=DEV) * 0.1
+    s_ref, s_two = state.clone(), state.clone()
+    slots = torch.tensor([8, 0, 3, 6, 1], dtype=torch.int32, device=DEV)
+    out = gated_delta_rule_decode(q, k, v, a, bb, neg_a, dt_bias, state, slots)
+    g, beta = gdn_gating(a, bb, neg_a, dt_bias)
+    two = gated_delta_rule_recurrent(q, k, v, g, beta, s_two, cu([1] * b), slots)
+    ref = gated_delta_rule_decode_ref(q, k, v, a, bb, neg_a, dt_bias, s_ref, slots)
+    assert torch.equal(out, two) and torch.equal(state, s_two)
+    assert rel(out, ref) < TOL and rel(state, s_ref) < TOL
 
 
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 0, 200], [3, 128, 129, 7]])

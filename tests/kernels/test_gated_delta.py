@@ -71,3 +71,37 @@ def test_reference_takes_the_host_offsets() -> None:
     b = gated_delta_rule_ref(q, k, v, g, beta, s2, cu([3, 1, 6]), sl, cu_seqlens_cpu=[0, 3, 4, 10])
     assert torch.equal(a, b) and torch.equal(s1, s2)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_fused_gating(dtype: torch.dtype) -> None:
+    """gated_delta_rule_decode: a and b as strided columns of the fused projection, softplus past its
+    threshold and deep in its tail; equal to gdn_gating then the recurrent kernel, and to the reference."""
+    from nibble.kernels.gated_delta import gated_delta_rule_decode, gated_delta_rule_decode_ref
+    from nibble.kernels.gdn_gating import gdn_gating
+
+    b = 3
+    q, k, v = (x.to(dtype) for x in (torch.randn(b, HK, DK), torch.randn(b, HK, DK), torch.randn(b, HV, DV)))
+    proj = (torch.randn(b, 2 * HV + 3) * 12).to(dtype)
+    bb, a = proj[:, :HV], proj[:, HV + 3:]
+    neg_a, dt_bias = -torch.empty(HV).uniform_(1.0, 16.0), torch.randn(HV)
+    state = torch.randn(7, HV, DK, DV) * 0.1
+    s_ref, s_out, s_two = state.clone(), state.clone(), state.clone()
+    slots = torch.tensor([5, 0, 3], dtype=torch.int32)
+    ref = gated_delta_rule_decode_ref(q, k, v, a, bb, neg_a, dt_bias, s_ref, slots)
+    out = poisoned(gated_delta_rule_decode, [(tuple(v.shape), dtype)], q, k, v, a, bb, neg_a, dt_bias, s_out, slots)
+    g, beta = gdn_gating(a, bb, neg_a, dt_bias)
+    two = gated_delta_rule_recurrent(q, k, v, g, beta, s_two, cu([1, 1, 1]), slots)
+    assert torch.equal(out, two) and torch.equal(s_out, s_two)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref) < tol and rel_err(s_out, s_ref) < tol
+    assert torch.equal(s_out[[1, 2, 4, 6]], state[[1, 2, 4, 6]])
+
+
+def test_decode_with_fused_gating_refuses_prefill_shapes() -> None:
+    from nibble.kernels.gated_delta import gated_delta_rule_decode
+
+    q, k, v, g, beta = _inputs(4)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        gated_delta_rule_decode(q, k, v, g, beta, -torch.ones(HV), torch.zeros(HV), torch.zeros(7, HV, DK, DV),
+                                torch.tensor([1, 2, 3], dtype=torch.int32))
