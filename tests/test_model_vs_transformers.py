@@ -54,13 +54,14 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _fused_elementwise_kernels() -> KernelSet:
     """The reference set with the Triton kernels (interpreter) of the ops that read strided views of the
-    fused projections: the GDN gating, the router, the shared expert's activation and combination, the
-    attention q/k norm and output gate."""
-    from nibble.kernels import activation, gdn_gating, moe_route, norm
+    fused projections: the GDN gating (alone and inside the decode step), the router, the shared expert's
+    activation and combination (alone and inside the next RMSNorm), the attention q/k norm and output gate."""
+    from nibble.kernels import activation, gated_delta, gdn_gating, moe_route, norm
 
     return replace(KernelSet.reference(), gdn_gating=gdn_gating.gdn_gating, route=moe_route.route,
                    silu_and_mul=activation.silu_and_mul, moe_combine=activation.moe_combine,
-                   sigmoid_mul=activation.sigmoid_mul, qk_rms_norm=norm.qk_rms_norm)
+                   sigmoid_mul=activation.sigmoid_mul, qk_rms_norm=norm.qk_rms_norm,
+                   rms_norm_moe=norm.rms_norm_moe, gated_delta_rule_decode=gated_delta.gated_delta_rule_decode)
 
 
 @torch.inference_mode()

@@ -17,18 +17,19 @@ from nibble.kernels.conv1d import causal_conv1d_ref
 from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import fused_moe_ref, route_ref
-from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_ref
+from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
 from nibble.kernels.rope import rope_ref
 
-OP_NAMES = ("rms_norm", "qk_rms_norm", "gated_rms_norm", "rope", "store_kv", "paged_attention", "sigmoid_mul",
-            "causal_conv1d", "gdn_gating", "gated_delta_rule", "gated_delta_rule_decode", "route", "fused_moe",
-            "silu_and_mul", "moe_combine", "nvfp4_linear")
+OP_NAMES = ("rms_norm", "rms_norm_moe", "qk_rms_norm", "gated_rms_norm", "rope", "store_kv", "paged_attention",
+            "sigmoid_mul", "causal_conv1d", "gdn_gating", "gated_delta_rule", "gated_delta_rule_decode", "route",
+            "fused_moe", "silu_and_mul", "moe_combine", "nvfp4_linear")
 
 
 @dataclass(frozen=True)
 class KernelSet:
     rms_norm: Callable[..., Any]            # norm.rms_norm_ref
+    rms_norm_moe: Callable[..., Any]        # norm.rms_norm_moe_ref
     qk_rms_norm: Callable[..., Any]         # norm.qk_rms_norm_ref
     gated_rms_norm: Callable[..., Any]      # norm.gated_rms_norm_ref
     rope: Callable[..., Any]                # rope.rope_ref
@@ -50,6 +51,7 @@ class KernelSet:
     def reference(cls) -> KernelSet:
         return cls(
             rms_norm=rms_norm_ref,
+            rms_norm_moe=rms_norm_moe_ref,
             qk_rms_norm=qk_rms_norm_ref,
             gated_rms_norm=gated_rms_norm_ref,
             rope=rope_ref,

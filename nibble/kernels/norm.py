@@ -1,5 +1,5 @@
-"""RMSNorm (optionally fused with the residual add), the per-head q/k RMSNorm of attention and the gated
-RMSNorm of Gated DeltaNet."""
+"""RMSNorm (optionally fused with the residual add, or with the MoE block's combination of its routed and
+shared experts before it), the per-head q/k RMSNorm of attention and the gated RMSNorm of Gated DeltaNet."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.kernels._triton import as_rows, next_pow2, tl, triton
+from nibble.kernels.activation import moe_combine_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -42,13 +43,30 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     return (out.float() * F.silu(gate.float())).to(x.dtype)
 
 
+def rms_norm_moe_ref(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor, weight: torch.Tensor,
+                     eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_combine_ref(routed, shared, gate_logit)` (routed, shared: [T, H]; gate_logit: [T, 1]) then
+    `rms_norm_ref` of it with residual [T, H]: the next layer's input norm taking the MoE block's output
+    before its combination. Returns (out, new residual)."""
+    out, res = rms_norm_ref(moe_combine_ref(routed, shared, gate_logit), weight, eps, residual)
+    assert res is not None
+    return out, res
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o,
-                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, gl_ptr, n_cols, stride_x, stride_r,
+                     stride_o, stride_ro, stride_s, stride_gl, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                     COMBINE: tl.constexpr = False):
+    # COMBINE: x is the MoE block's routed output, combined first with its shared expert output (s) and
+    # gate logit (gl) as _moe_combine_kernel does, rounded to x's dtype as that kernel stores it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if COMBINE:
+        s = tl.load(s_ptr + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+        gl = tl.load(gl_ptr + row * stride_gl).to(tl.float32)
+        x = (x.to(tl.float32) + tl.sigmoid(gl) * s).to(x.dtype)
     if HAS_RES:
         # the sum is rounded to the activation dtype first: that rounded value is the new residual
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -84,11 +102,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r2, res_out = x2, out
     if n:
         block = next_pow2(hidden)
-        _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, hidden, x2.stride(0), r2.stride(0),
-                               out.stride(0), res_out.stride(0), float(eps), HAS_RES=residual is not None,
+        _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, x2, x2, hidden, x2.stride(0), r2.stride(0),
+                               out.stride(0), res_out.stride(0), 0, 0, float(eps), HAS_RES=residual is not None,
                                BLOCK=block, num_warps=_num_warps(block))
     new_res = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_res
+
+
+def rms_norm_moe(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor, weight: torch.Tensor,
+                 eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `rms_norm_moe_ref`: the MoE combination and the residual-add RMSNorm in one launch (one program
+    per row); gate_logit may be a strided column of a fused projection."""
+    if routed.dim() != 2 or shared.shape != routed.shape or residual.shape != routed.shape:
+        raise ValueError(f"rms_norm_moe: routed {tuple(routed.shape)}, shared {tuple(shared.shape)} and residual "
+                         f"{tuple(residual.shape)} must all be [T, H]")
+    t, hidden = routed.shape
+    if gate_logit.shape != (t, 1) or weight.shape != (hidden,):
+        raise ValueError(f"rms_norm_moe: gate_logit {tuple(gate_logit.shape)} != [{t}, 1] or weight "
+                         f"{tuple(weight.shape)} != [{hidden}]")
+    if shared.dtype != routed.dtype or residual.dtype != routed.dtype:
+        raise ValueError(f"rms_norm_moe: routed {routed.dtype}, shared {shared.dtype}, residual {residual.dtype} "
+                         "must share a dtype")
+    if len({routed.device, shared.device, gate_logit.device, weight.device, residual.device}) != 1:
+        raise ValueError("rms_norm_moe: tensors on different devices")
+    r2, s2, res2 = (x if x.stride(1) == 1 else x.contiguous() for x in (routed, shared, residual))
+    out = torch.empty((t, hidden), dtype=routed.dtype, device=routed.device)
+    res_out = torch.empty_like(out)
+    if t:
+        block = next_pow2(hidden)
+        _rms_norm_kernel[(t,)](r2, res2, weight, out, res_out, s2, gate_logit, hidden, r2.stride(0), res2.stride(0),
+                               out.stride(0), res_out.stride(0), s2.stride(0), gate_logit.stride(0), float(eps),
+                               HAS_RES=True, BLOCK=block, COMBINE=True, num_warps=_num_warps(block))
+    return out, res_out
 
 
 @triton.jit

@@ -114,6 +114,7 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
 
     return {
         "rms_norm": pair("norm:rms_norm", "norm:rms_norm_ref"),
+        "rms_norm_moe": pair("norm:rms_norm_moe", "norm:rms_norm_moe_ref"),
         "qk_rms_norm": pair("norm:qk_rms_norm", "norm:qk_rms_norm_ref"),
         "gated_rms_norm": pair("norm:gated_rms_norm", "norm:gated_rms_norm_ref"),
         "rope": pair("rope:rope", "rope:rope_ref"),

@@ -22,7 +22,7 @@ from nibble.kernels.conv1d import causal_conv1d_ref
 from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
-from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_ref
+from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
 from nibble.kernels.rope import build_cos_sin_cache, rope_ref
 from nibble.models.config import ModelConfig
@@ -243,6 +243,21 @@ def _moe_projection(ctx: SelfTestContext, t: int) -> tuple[torch.Tensor, ...]:
     return y, y[:, :e], y[:, e:e + i], y[:, e + i:e + 2 * i], y[:, e + 2 * i:]
 
 
+def test_rms_norm_moe(fn: Callable, ctx: SelfTestContext) -> float:
+    h = ctx.config.hidden_size
+    worst = 0.0
+    for t in (1, 37):
+        gate_logit = _moe_projection(ctx, t)[4]
+        routed, shared, res = ctx.randn(t, h), ctx.randn(t, h), ctx.randn(t, h, scale=4.0)
+        w = 1.0 + 0.1 * ctx.randn(h, dtype=torch.float32)
+        out, new_res = _call(fn, ctx.device, [((t, h), ctx.dtype)] * 2, routed, shared, gate_logit, w,
+                             ctx.config.rms_norm_eps, res)
+        ref, ref_res = rms_norm_moe_ref(routed, shared, gate_logit, w, ctx.config.rms_norm_eps, res)
+        worst = max(worst, rel_err(f"out T={t}", out, ref, ctx.tol),
+                    rel_err(f"residual T={t}", new_res, ref_res, ctx.tol))
+    return worst
+
+
 def test_silu_and_mul(fn: Callable, ctx: SelfTestContext) -> float:
     i = ctx.config.shared_expert_intermediate_size
     worst = 0.0
@@ -412,6 +427,7 @@ def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
 
 SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "rms_norm": test_rms_norm,
+    "rms_norm_moe": test_rms_norm_moe,
     "qk_rms_norm": test_qk_rms_norm,
     "gated_rms_norm": test_gated_rms_norm,
     "rope": test_rope,

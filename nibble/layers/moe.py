@@ -10,10 +10,13 @@ and shared_expert_gate are replicated.
 
 Router, shared gate/up and shared_expert_gate all read the block's input: they are one fused projection
 (rows [router | this rank's shared gate | its shared up | shared_expert_gate]), whose output columns feed
-`route`, `silu_and_mul` and `moe_combine` as strided views.
+`route`, `silu_and_mul` and `moe_combine` as strided views. On one rank the block returns its parts
+uncombined (`MoEOutput`): the next RMSNorm combines them in its own launch (`rms_norm_moe`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -194,8 +197,19 @@ class RoutedExperts(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class MoEOutput:
+    """The MoE block's output before its combination: routed + sigmoid(gate_logit) * shared.
+    routed, shared: [T, H]; gate_logit: [T, 1] (a strided column of the block's fused projection)."""
+
+    routed: torch.Tensor
+    shared: torch.Tensor
+    gate_logit: torch.Tensor
+
+
 class SparseMoE(nn.Module):
-    """hidden [T, H] -> [T, H] (summed over the tensor-parallel ranks)."""
+    """hidden [T, H] -> [T, H] summed over the tensor-parallel ranks, or on one rank its uncombined
+    `MoEOutput`, which `RMSNorm` takes in place of a tensor."""
 
     def __init__(self, config: ModelConfig, prefix: str, kernels: KernelSet, dtype: torch.dtype,
                  device: torch.device | str, parallel: ParallelContext = SINGLE) -> None:
@@ -227,11 +241,13 @@ class SparseMoE(nn.Module):
         self.shared_down = RowParallelLinear(si, h, quantized=quantized("shared_expert.down_proj"), kernels=kernels,
                                              dtype=dtype, device=device, parallel=parallel, reduce_results=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | MoEOutput:
         router_logits, gate, up, shared_gate_logit = self.in_proj(hidden)
         topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize)
         if self.expert_parallel:
             topk_weights, topk_ids = self.experts.localize(topk_weights, topk_ids)
         routed = self.kernels.fused_moe(hidden, topk_weights, topk_ids, self.experts.weights())
         shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
+        if not self.parallel.is_parallel:
+            return MoEOutput(routed, shared, shared_gate_logit)
         return self.parallel.all_reduce(self.kernels.moe_combine(routed, shared, shared_gate_logit))

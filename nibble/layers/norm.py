@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from nibble.kernels.kernel_set import KernelSet
+from nibble.layers.moe import MoEOutput
 
 
 class RMSNorm(nn.Module):
-    """x [T, H] -> rmsnorm(x) * (1 + w), optionally fused with the residual add (see kernels.norm)."""
+    """x [T, H] -> rmsnorm(x) * (1 + w), optionally fused with the residual add (see kernels.norm); x may
+    also be a MoE block's uncombined output, combined in the same launch (it then needs the residual)."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: KernelSet, device: torch.device | str,
                  zero_centered: bool = True) -> None:
@@ -33,6 +35,11 @@ class RMSNorm(nn.Module):
             raise RuntimeError("RMSNorm.finalize() was not called after loading weights")
         return self.multiplier
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | MoEOutput, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(x, MoEOutput):
+            if residual is None:
+                raise ValueError("RMSNorm: a MoE block's output needs the residual stream")
+            return self.kernels.rms_norm_moe(x.routed, x.shared, x.gate_logit, self.loaded_multiplier(), self.eps,
+                                             residual)
         return self.kernels.rms_norm(x, self.loaded_multiplier(), self.eps, residual)

@@ -26,7 +26,7 @@ from nibble.layers.embedding import Embedding, LMHead
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 from nibble.layers.gdn import GatedDeltaNet
 from nibble.layers.linear import FLOAT_DTYPES, FusedProjections, Linear, WeightLoadError, check_tensor
-from nibble.layers.moe import SparseMoE
+from nibble.layers.moe import MoEOutput, SparseMoE
 from nibble.layers.norm import RMSNorm
 from nibble.layers.parallel import SINGLE, ParallelContext, TensorSource, read_full, read_partition
 from nibble.layers.rotary import RotaryEmbedding
@@ -55,9 +55,12 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, f"{prefix}.linear_attn", kernels, dtype, device, parallel)
         self.mlp = SparseMoE(config, f"{prefix}.mlp", kernels, dtype, device, parallel)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor | MoEOutput, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches) -> tuple[torch.Tensor | MoEOutput, torch.Tensor]:
+        """hidden: the embeddings (first layer, residual None) or the previous layer's MoE output, which this
+        layer's input norm combines (`MoEOutput` on one rank). Returns (this layer's MoE output, residual)."""
         if residual is None:
+            assert isinstance(hidden, torch.Tensor)
             residual = hidden
             hidden, _ = self.input_layernorm(hidden)
         else:
@@ -99,12 +102,12 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self._loaded: set[str] = set()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
+        hidden: torch.Tensor | MoEOutput = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, caches)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        out, _ = self.norm(hidden, residual)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -48,6 +48,8 @@ from nibble.kernels.norm import (  # noqa: E402
     qk_rms_norm,
     qk_rms_norm_ref,
     rms_norm,
+    rms_norm_moe,
+    rms_norm_moe_ref,
     rms_norm_ref,
 )
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
@@ -272,8 +274,9 @@ def test_host_chunk_plan_matches_fla(lens: list[int]) -> None:
 @pytest.mark.parametrize("t", [1, 256, 4096])
 def test_fused_elementwise_on_projection_views(t: int) -> None:
     """The ops that read strided column views of the fused projections, bf16, 122B shapes: GDN gating from
-    in_proj's b and a columns, the router, SiLU-and-mul and the shared-expert combination from the MoE
-    block's [router | shared gate | shared up | shared_expert_gate] output, attention's sigmoid gate."""
+    in_proj's b and a columns, the router, SiLU-and-mul and the shared-expert combination (alone and inside
+    the next RMSNorm) from the MoE block's [router | shared gate | shared up | shared_expert_gate] output,
+    attention's sigmoid gate."""
     c = config("122B")
     hv, h, e, si = c.linear_num_value_heads, c.hidden_size, c.num_experts, c.shared_expert_intermediate_size
     width = c.linear_conv_dim + c.linear_value_dim + 2 * hv
@@ -298,6 +301,15 @@ def test_fused_elementwise_on_projection_views(t: int) -> None:
     out = moe_combine(routed, shared, gate_logit)
     assert out.dtype == BF16
     assert rel(out, moe_combine_ref(routed.float(), shared.float(), gate_logit.float())) < TOL
+    # the combination inside the next layer's RMSNorm: bitwise the two launches it replaces
+    res = torch.randn(t, h, device=DEV, dtype=BF16) * 4
+    w_norm = 1.0 + 0.1 * torch.randn(h, device=DEV)
+    fused, fused_res = rms_norm_moe(routed, shared, gate_logit, w_norm, c.rms_norm_eps, res)
+    two, two_res = rms_norm(out, w_norm, c.rms_norm_eps, res)
+    assert torch.equal(fused, two) and torch.equal(fused_res, two_res)
+    ref, ref_res = rms_norm_moe_ref(routed.float(), shared.float(), gate_logit.float(), w_norm, c.rms_norm_eps,
+                                    res.float())
+    assert rel(fused, ref) < TOL and rel(fused_res, ref_res) < TOL
 
     qg = torch.randn(t, c.num_attention_heads, 2 * c.head_dim, device=DEV, dtype=BF16) * 3
     x = torch.randn(t, c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)

@@ -70,3 +70,33 @@ def test_qk_rms_norm_heads_of_fused_projection(dtype: torch.dtype, t: int, hq: i
     assert torch.allclose(q_out.float(), q_ref.float(), rtol=tol, atol=1e-6)
     assert torch.allclose(k_out.float(), k_ref.float(), rtol=tol, atol=1e-6)
     assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter's bf16 norms are NaN
+@pytest.mark.parametrize("t,h", [(1, 64), (5, 100), (9, 1000)])
+def test_rms_norm_moe_equals_combine_then_norm(dtype: torch.dtype, t: int, h: int) -> None:
+    """rms_norm_moe: the gate logit a strided column of a fused projection; bitwise moe_combine then
+    rms_norm (the launches it replaces), and the reference."""
+    from nibble.kernels.activation import moe_combine
+    from nibble.kernels.norm import rms_norm, rms_norm_moe, rms_norm_moe_ref
+
+    routed, shared, res = ((torch.randn(t, h) * s).to(dtype) for s in (1.0, 2.0, 4.0))
+    proj = (torch.randn(t, 7) * 3).to(dtype)
+    gate_logit = proj[:, 5:6]
+    w = 1.0 + 0.1 * torch.randn(h)
+    out, new_res = poisoned(rms_norm_moe, [((t, h), dtype)] * 2, routed, shared, gate_logit, w, 1e-6, res)
+    two, two_res = rms_norm(moe_combine(routed, shared, gate_logit), w, 1e-6, res)
+    assert torch.equal(out, two) and torch.equal(new_res, two_res)
+    ref, ref_res = rms_norm_moe_ref(routed, shared, gate_logit, w, 1e-6, res)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_err(out, ref) < tol and rel_err(new_res, ref_res) < tol
+
+
+def test_rms_norm_moe_checks_shapes() -> None:
+    from nibble.kernels.norm import rms_norm_moe
+
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="gate_logit"):
+        rms_norm_moe(x, x, torch.randn(3), torch.ones(8), 1e-6, x)
+    with pytest.raises(ValueError, match="must all be"):
+        rms_norm_moe(x, x[:2], torch.randn(3, 1), torch.ones(8), 1e-6, x)
