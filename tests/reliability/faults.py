@@ -10,6 +10,7 @@ the caches) together with the other rows of the batch. Everything else runs unmo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import Request
+from nibble.layers.moe import MoEOutput
 
 
 class PoisonRow:
@@ -56,7 +58,7 @@ class PoisonRow:
     def _fire(self, batch: Any) -> None:
         self.fired.append((self.engine.num_steps, batch.num_seqs, batch.num_tokens))
 
-    def _layer_hook(self, _module: Any, args: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    def _layer_hook(self, _module: Any, args: tuple[Any, ...], output: tuple[Any, torch.Tensor]) -> Any:
         batch = args[2]
         pos = self._victim(batch)
         if pos is None:
@@ -64,6 +66,10 @@ class PoisonRow:
         self._fire(batch)
         hidden, residual = output
         start, end = batch.cu_seqlens_q_cpu[pos], batch.cu_seqlens_q_cpu[pos + 1]
+        if isinstance(hidden, MoEOutput):  # uncombined: poisoning the routed part poisons the sum
+            routed = hidden.routed.clone()
+            routed[start:end] = self.value
+            return dataclasses.replace(hidden, routed=routed), residual
         hidden = hidden.clone()
         hidden[start:end] = self.value
         return hidden, residual
