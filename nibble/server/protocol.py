@@ -32,6 +32,8 @@ _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 # Every stop string is searched for after every generated token, on the engine thread that serves all
 # requests: an unbounded list (100k strings added ~60 ms to each step of every request) is refused.
 MAX_STOP_STRINGS = 256
+# Choices per request (`n`): each is its own engine request, so this bounds what one request can occupy.
+MAX_CHOICES = 64
 
 
 class _Request(BaseModel):
@@ -73,9 +75,9 @@ class _SamplingRequest(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
+    def _choice_count(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"must be between 1 and {MAX_CHOICES}, got {v}")
         return v
 
     @field_validator("stop")

@@ -5,6 +5,7 @@ and the one log line per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -243,6 +244,19 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
+
+    @staticmethod
+    def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """Parameters of the n choices of one prompt, each its own engine request: copies (the engine
+        completes max_tokens in place), with seed + j for choice j when a seed is given, so that seeded
+        choices differ from each other and stay reproducible."""
+        def seed(j: int) -> int | None:
+            if params.seed is None:
+                return None
+            s = params.seed + j
+            return s if s <= _SEED_MAX else s - (_SEED_MAX - _SEED_MIN + 1)
+
+        return [dataclasses.replace(params, seed=seed(j)) for j in range(n)]
 
     def engine_streams(self, jobs: list[EngineJob]) -> EngineStreams:
         """Engine requests for `jobs`, recording metrics for each as it ends."""

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from nibble.engine.chat_template import ChatTemplateError
+from nibble.engine.request import RequestOutput
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import ClientDisconnected, bad_request
@@ -107,7 +108,9 @@ class ChatServing(OpenAIServing):
             params = self.sampling_params(req, max_tokens, logprobs)
             thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
-            streams = self.engine_streams([EngineJob(request_id, ids, params)])
+            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p)
+                    for j, p in enumerate(self.choice_params(params, req.n))]
+            streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)
         except ClientDisconnected:
             self.log_request(request_id, CLIENT_CLOSED, 0, 0, "abort", start)
@@ -118,40 +121,47 @@ class ChatServing(OpenAIServing):
             return EventStreamResponse(
                 self._stream(req, request_id, streams, len(ids), thinking, parse_tools, start), streams.close)
         try:
-            outputs = await wait_unless_disconnected(_drain_one(streams), request)
-            check_generation_error(outputs)
+            outputs = await wait_unless_disconnected(_drain(streams), request)
+            for out in outputs:
+                check_generation_error(out)
         except ClientDisconnected:
             self.log_request(request_id, CLIENT_CLOSED, len(ids), 0, "abort", start)
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
             return self.fail(request_id, exc, start).response()
-        c = outputs.outputs[0]
-        message = build_chat_message(c.text, thinking, req.tools, parse_tools, req.include_reasoning)
-        lp = None
-        if req.logprobs and self.token_texts is not None:
-            lp = ChatCompletionLogProbs(content=chat_logprobs(c.logprobs or [], self.token_texts,
-                                                              req.top_logprobs or 0))
-        finish = chat_finish_reason(c.finish_reason, bool(message.tool_calls))
-        usage = usage_of([outputs], [len(ids)])
-        self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens, finish, start)
-        choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=lp, finish_reason=finish,
-                                              stop_reason=c.stop_reason)
-        return json_response(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
+        choices = []
+        for j, out in enumerate(outputs):
+            c = out.outputs[0]
+            message = build_chat_message(c.text, thinking, req.tools, parse_tools, req.include_reasoning)
+            lp = None
+            if req.logprobs and self.token_texts is not None:
+                lp = ChatCompletionLogProbs(content=chat_logprobs(c.logprobs or [], self.token_texts,
+                                                                  req.top_logprobs or 0))
+            choices.append(ChatCompletionResponseChoice(
+                index=j, message=message, logprobs=lp, finish_reason=chat_finish_reason(c.finish_reason,
+                                                                                        bool(message.tool_calls)),
+                stop_reason=c.stop_reason))
+        usage = usage_of(list(outputs), [len(ids)])
+        self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens,
+                         ",".join(sorted({ch.finish_reason or "-" for ch in choices})), start)
+        return json_response(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                     usage=usage))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams: EngineStreams, num_prompt: int,
                       thinking: bool, parse_tools: bool, start: float) -> AsyncIterator[str]:
         created = int(time.time())
-        builder = ChatDeltaBuilder(thinking, req.tools, parse_tools, req.include_reasoning)
+        builders = [ChatDeltaBuilder(thinking, req.tools, parse_tools, req.include_reasoning)
+                    for _ in range(len(streams))]
+        finishes: list[str | None] = [None] * len(streams)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         outcome: str | None = None
 
-        def chunk(delta: DeltaMessage | None, *, logprobs: ChatCompletionLogProbs | None = None,
+        def chunk(delta: DeltaMessage | None, *, index: int = 0, logprobs: ChatCompletionLogProbs | None = None,
                   finish: str | None = None, stop_reason: int | str | None = None,
                   usage: UsageInfo | None = None) -> str:
             choices = []
             if delta is not None:
-                choices = [ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
+                choices = [ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                               finish_reason=finish, stop_reason=stop_reason)]
             payload = ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                    choices=choices, usage=usage).model_dump(mode="json")
@@ -164,20 +174,23 @@ class ChatServing(OpenAIServing):
             return usage_of(streams.last, [num_prompt]) if req.include_usage and continuous else None
 
         try:
-            yield chunk(DeltaMessage(role="assistant", content=""), usage=running_usage())
-            async for _, out in streams:
+            for j in range(len(streams)):
+                yield chunk(DeltaMessage(role="assistant", content=""), index=j, usage=running_usage())
+            async for j, out in streams:
                 check_generation_error(out)
                 c = out.outputs[0]
-                delta = builder.feed(c.delta_text, final=out.finished)
+                delta = builders[j].feed(c.delta_text, final=out.finished)
                 lp = None
                 if req.logprobs and self.token_texts is not None and c.delta_logprobs:
                     lp = ChatCompletionLogProbs(content=chat_logprobs(c.delta_logprobs, self.token_texts,
                                                                       req.top_logprobs or 0))
                 if delta is not None or lp is not None:
-                    yield chunk(delta or DeltaMessage(), logprobs=lp, usage=running_usage())
+                    yield chunk(delta or DeltaMessage(), index=j, logprobs=lp, usage=running_usage())
                 if out.finished:
-                    outcome = chat_finish_reason(c.finish_reason, builder.has_tool_calls)
-                    yield chunk(DeltaMessage(), finish=outcome, stop_reason=c.stop_reason, usage=running_usage())
+                    finishes[j] = chat_finish_reason(c.finish_reason, builders[j].has_tool_calls)
+                    yield chunk(DeltaMessage(), index=j, finish=finishes[j], stop_reason=c.stop_reason,
+                                usage=running_usage())
+            outcome = ",".join(sorted({f or "-" for f in finishes}))
             if req.include_usage:
                 yield chunk(None, usage=usage_of(streams.last, [num_prompt]))
         except Exception as exc:
@@ -192,8 +205,8 @@ class ChatServing(OpenAIServing):
         yield DONE_EVENT
 
 
-async def _drain_one(streams: EngineStreams) -> Any:
-    final = None
-    async for _, out in streams:
-        final = out
-    return final
+async def _drain(streams: EngineStreams) -> list[RequestOutput]:
+    final: dict[int, RequestOutput] = {}
+    async for j, out in streams:
+        final[j] = out
+    return [final[j] for j in range(len(streams))]

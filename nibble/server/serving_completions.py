@@ -78,7 +78,9 @@ class CompletionServing(OpenAIServing):
             for i, ids in enumerate(prompt_ids):
                 self.check_length(len(ids), req.max_tokens, "prompt")
                 params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs)
-                jobs.append(EngineJob(f"{request_id}-{i}", ids, params))
+                # choice i * n + j is prompt i's j-th completion, as OpenAI numbers them
+                for j, choice_params in enumerate(self.choice_params(params, req.n)):
+                    jobs.append(EngineJob(f"{request_id}-{i * req.n + j}", ids, choice_params))
             streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)
         except ClientDisconnected:
@@ -122,8 +124,8 @@ class CompletionServing(OpenAIServing):
     async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
                       prompt_lens: list[int], start: float) -> AsyncIterator[str]:
         created = int(time.time())
-        offsets = [0] * len(prompt_lens)
-        finishes: list[str | None] = [None] * len(prompt_lens)
+        offsets = [0] * len(streams)
+        finishes: list[str | None] = [None] * len(streams)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         outcome: str | None = None
 

@@ -162,3 +162,30 @@ def test_multi_turn_with_tool_results(client: openai.OpenAI, server: ServerHandl
     ]
     out = chat(client, server, messages=messages, tools=TOOLS, max_tokens=4)
     assert out.usage.prompt_tokens == prompt_len(tokenizer, messages, tools=TOOLS)
+
+
+def test_n_choices(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """n > 1: one choice per index with its own message and finish reason, streamed per index (a role
+    chunk each); the prompt counts once in the usage."""
+    def sampled_chat(**kwargs):
+        return client.chat.completions.create(model=server.model, messages=MESSAGES, temperature=1.0, seed=7,
+                                              max_tokens=12, n=3, extra_body={"ignore_eos": True, **NO_THINK},
+                                              **kwargs)
+
+    out = sampled_chat()
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in out.choices)
+    assert len({c.message.content for c in out.choices}) > 1
+    assert out.usage.prompt_tokens == prompt_len(tokenizer, enable_thinking=False)
+    assert out.usage.completion_tokens == 36
+    chunks = list(sampled_chat(stream=True, stream_options={"include_usage": True}))
+    per_index: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            per_index.setdefault(choice.index, []).append(choice)
+    assert sorted(per_index) == [0, 1, 2]
+    for j, parts in per_index.items():
+        assert [p.delta.role for p in parts if p.delta.role] == ["assistant"]
+        assert "".join(p.delta.content or "" for p in parts) == out.choices[j].message.content
+        assert [p.finish_reason for p in parts if p.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 36

@@ -171,3 +171,25 @@ def test_generation_config_defaults_fill_unset_fields(server: ServerHandle) -> N
 
 def _serving(server: ServerHandle) -> CompletionServing:
     return CompletionServing(server.engine, server.model, {server.model}, ServerMetrics(server.engine, server.model))
+
+
+def test_n_choices_per_prompt(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """n > 1: choice i * n + j is prompt i's j-th completion; the prompt counts once in the usage; seeded
+    choices differ from each other, are reproducible, and choice 0 is the single completion with that seed."""
+    prompts = ["Alpha", "Beta gamma"]
+    sampled = {"temperature": 1.0, "top_p": 1.0, "seed": 123, "max_tokens": 10}
+    out = complete(client, server, prompts, n=3, **sampled)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 60
+    again = complete(client, server, prompts, n=3, **sampled)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    for i, prompt in enumerate(prompts):
+        texts = [c.text for c in out.choices[3 * i:3 * i + 3]]
+        assert len(set(texts)) > 1
+        assert texts[0] == complete(client, server, prompt, **sampled).choices[0].text
+    greedy = complete(client, server, "Delta", n=2, max_tokens=8, **GREEDY)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    texts, chunks = stream_text(client, server, prompts, n=3, stream_options={"include_usage": True}, **sampled)
+    assert [texts[k] for k in range(6)] == [c.text for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == 60
