@@ -183,6 +183,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        biased = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if biased:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {biased[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} tokens, which leaves no room to generate")

@@ -1,7 +1,7 @@
 """Sampling on the model's device for a batch of requests with per-request settings.
 
-Order: non-finite guard -> penalties (repetition, presence, frequency over the generated tokens;
-repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> temperature ->
+Order: non-finite guard -> logit_bias -> penalties (repetition, presence, frequency over the generated
+tokens; repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> temperature ->
 top-k -> top-p -> min-p -> sample. Sampling uses the exponential-race trick (argmax p / q, q ~ Exp(1)), with
 q drawn from the request's own generator when it has a seed, so a seeded request gives the same tokens
 whatever else is in the batch. Log-probabilities are those of the raw model distribution.
@@ -53,6 +53,20 @@ def _penalize(logits: torch.Tensor, requests: list[Request]) -> None:
             counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
             counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows: list[int] = []
+    ids: list[int] = []
+    biases: list[float] = []
+    for i, req in enumerate(requests):
+        for token, bias in (req.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(token)
+            biases.append(bias)
+    if rows:
+        idx = _on([rows, ids], torch.int64, logits.device)
+        logits.index_put_((idx[0], idx[1]), _on(biases, logits.dtype, logits.device), accumulate=True)
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -148,6 +162,7 @@ def sample_launch(logits: torch.Tensor, requests: list[Request],
     want_logprobs = [r.sampling_params.logprobs for r in requests]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
 
+    _add_logit_bias(logits, requests)
     _penalize(logits, requests)
     _suppress_stop_tokens(logits, requests)
     greedy = [r.sampling_params.greedy for r in requests]

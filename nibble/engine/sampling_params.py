@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 # Each stop token id is checked against every sampled token of the request: bound the list a client sends.
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -19,6 +20,8 @@ class SamplingParams:
     temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 and min_p 0 disable those filters.
     logprobs: number of top log-probabilities to return per generated token (None = none; the sampled
     token's own log-probability is included whenever logprobs is not None).
+    logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI's field; -100
+    bans a token, +100 all but forces it).
     """
 
     n: int = 1
@@ -38,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,16 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # not via check(): its message would print the list
             raise SamplingParamsError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got "
                                       f"{len(self.stop_token_ids)}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got "
+                                          f"{len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not (_finite(bias) and -100 <= bias <= 100):
+                    raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token "
+                                              f"{token}")
 
     @property
     def greedy(self) -> bool:

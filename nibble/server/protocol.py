@@ -101,10 +101,18 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("not supported")
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return v
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` keyed by integer token id (None when unset or empty)."""
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def stop_list(self) -> list[str]:

@@ -241,7 +241,7 @@ class OpenAIServing:
                 **values, seed=req.seed, stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
 

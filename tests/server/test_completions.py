@@ -193,3 +193,17 @@ def test_n_choices_per_prompt(client: openai.OpenAI, server: ServerHandle, token
     texts, chunks = stream_text(client, server, prompts, n=3, stream_options={"include_usage": True}, **sampled)
     assert [texts[k] for k in range(6)] == [c.text for c in out.choices]
     assert chunks[-1].usage.completion_tokens == 60
+
+
+def test_logit_bias(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """+100 on one token makes it every token sampled; -100 bans the greedy choice."""
+    forced = tokenizer.encode(" x")[-1]
+    out = complete(client, server, "Once upon a time", max_tokens=6, temperature=0.9, seed=1,
+                   logit_bias={str(forced): 100}, logprobs=0)
+    assert out.choices[0].logprobs.tokens == [tokenizer.decode([forced])] * 6
+    greedy = complete(client, server, "Once upon a time", max_tokens=1, **GREEDY, logprobs=0)
+    first = greedy.choices[0].logprobs.tokens[0]
+    same_text = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == first]
+    again = complete(client, server, "Once upon a time", max_tokens=1, **GREEDY, logprobs=0,
+                     logit_bias={str(t): -100 for t in same_text})
+    assert again.choices[0].logprobs.tokens[0] != first
