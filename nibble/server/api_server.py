@@ -26,6 +26,7 @@ from nibble.server.protocol import ModelCard, ModelList
 from nibble.server.serving_base import engine_core, json_response, read_json_body
 from nibble.server.serving_chat import ChatServing
 from nibble.server.serving_completions import CompletionServing
+from nibble.server.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger("nibble.server")
 
@@ -57,9 +58,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
               owns_engine: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
-    `api_key`: when set, /v1/* requires `Authorization: Bearer <api_key>` (health, metrics and version stay
-    open). `served_model_name`: the name clients use (default: the engine's). `owns_engine`: shut the
-    engine down when the app stops.
+    `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
+    metrics and version stay open). `served_model_name`: the name clients use (default: the engine's).
+    `owns_engine`: shut the engine down when the app stops.
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
@@ -67,6 +68,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     accepted = _accepted_model_names(engine, served)
     completions = CompletionServing(engine, served, accepted, metrics)
     chat = ChatServing(engine, served, accepted, metrics)
+    tokens = TokenizeServing(engine, served, accepted, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,5 +144,13 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     @app.post("/v1/chat/completions", dependencies=auth)
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await read_json_body(request), request)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> Response:
+        return await tokens.tokenize(await read_json_body(request))
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> Response:
+        return await tokens.detokenize(await read_json_body(request))
 
     return app

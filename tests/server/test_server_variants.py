@@ -30,7 +30,8 @@ def test_api_key(engine: AsyncEngine) -> None:
     try:
         with httpx.Client(base_url=handle.url, timeout=30) as http:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-secret"}):
-                for method, path, body in (("POST", "/v1/completions", PROMPT), ("GET", "/v1/models", None)):
+                for method, path, body in (("POST", "/v1/completions", PROMPT), ("GET", "/v1/models", None),
+                                           ("POST", "/tokenize", {"prompt": "hi"})):
                     r = http.request(method, path, json=body, headers=headers)
                     assert r.status_code == 401, r.text
                     assert r.json()["error"]["code"] == "invalid_api_key"
