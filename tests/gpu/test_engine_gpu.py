@@ -93,3 +93,20 @@ def test_no_kernel_compiles_after_the_warm_up() -> None:
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     assert compiled == []
+
+
+def test_logit_bias_and_choices_under_overlap() -> None:
+    """logit_bias on the device (greedy and sampled rows, with overlapped decode steps) and seeded choices
+    as separate requests: forced tokens come out, banned ones do not."""
+    llm = LLM(device="cuda", max_model_len=512, extra={"num_kv_blocks": 256}, warmup=False)
+    prompts = _prompts()[:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={42: 100.0}),
+              SamplingParams(temperature=0.9, seed=1, max_tokens=16, ignore_eos=True, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs[0] == [42] * 16 and outs[1] == [7] * 16
+    banned = set(outs[3])
+    again = llm.generate([prompts[3]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                      logit_bias={t: -100.0 for t in banned}))
+    assert not banned & set(again[0].outputs[0].token_ids)
