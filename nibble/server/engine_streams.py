@@ -105,6 +105,13 @@ class EngineStreams:
         finally:
             self.close()
 
+    async def drain(self) -> list[RequestOutput]:
+        """Read every stream to its end; the final output of each job, in job order."""
+        final: dict[int, RequestOutput] = {}
+        async for i, out in self:
+            final[i] = out
+        return [final[i] for i in range(len(self))]
+
     def _observe(self, i: int, out: RequestOutput) -> None:
         self.last[i] = out
         if out.finished:

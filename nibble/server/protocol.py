@@ -36,6 +36,14 @@ MAX_STOP_STRINGS = 256
 MAX_CHOICES = 64
 
 
+def no_reserved_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validator of `chat_template_kwargs`: the keys that have request fields of their own are refused."""
+    for key in _RESERVED_TEMPLATE_KWARGS:
+        if v and key in v:
+            raise ValueError(f"{key!r} cannot be set here; use the request field of that name")
+    return v
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -210,10 +218,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key in _RESERVED_TEMPLATE_KWARGS:
-            if v and key in v:
-                raise ValueError(f"{key!r} cannot be set here; use the request field of that name")
-        return v
+        return no_reserved_template_kwargs(v)
 
     @field_validator("response_format")
     @classmethod

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from nibble.engine.async_engine import AsyncEngine, EngineDead
+from nibble.engine.chat_template import ChatTemplateError
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -207,6 +208,21 @@ class OpenAIServing:
         """400 when the model came without a tokenizer (only token-id prompts can work then)."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids as the prompt", param="prompt")
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+        """The chat template's prompt text for `messages` and its token ids; a template error is a 400 naming
+        `tools` or `messages`."""
+        assert self.tokenizer is not None
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                        add_generation_prompt=add_generation_prompt,
+                                                        **template_kwargs)
+        except ChatTemplateError as exc:
+            message = str(exc)
+            param = "tools" if message.startswith("tools") else "messages"
+            raise bad_request(message, param=param) from None
+        return prompt, self.tokenizer.encode(prompt)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
                      max_param: str = "max_tokens") -> None:

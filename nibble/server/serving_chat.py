@@ -11,8 +11,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from nibble.engine.chat_template import ChatTemplateError
-from nibble.engine.request import RequestOutput
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import ClientDisconnected, bad_request
@@ -72,19 +70,6 @@ class ChatServing(OpenAIServing):
             kwargs["enable_thinking"] = top
         return kwargs
 
-    def _render(self, req: ChatCompletionRequest, kwargs: dict[str, Any]) -> tuple[str, list[int]]:
-        """The prompt text and its token ids."""
-        assert self.tokenizer is not None
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                req.messages, tools=req.tools_for_template, add_generation_prompt=req.add_generation_prompt,
-                **kwargs)
-        except ChatTemplateError as exc:
-            message = str(exc)
-            param = "tools" if message.startswith("tools") else "messages"
-            raise bad_request(message, param=param) from None
-        return prompt, self.tokenizer.encode(prompt)
-
     async def create(self, body: dict[str, Any], request: Request) -> Response:
         """Serve one /v1/chat/completions request (already parsed as JSON)."""
         start = time.monotonic()
@@ -99,7 +84,8 @@ class ChatServing(OpenAIServing):
             self.require_tokenizer()
             kwargs = self._template_kwargs(req, body)
             # Rendering and tokenizing a long conversation takes milliseconds: keep the event loop free.
-            prompt, ids = await asyncio.to_thread(self._render, req, kwargs)
+            prompt, ids = await asyncio.to_thread(self.render_chat, req.messages, req.tools_for_template,
+                                                  req.add_generation_prompt, kwargs)
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
@@ -121,7 +107,7 @@ class ChatServing(OpenAIServing):
             return EventStreamResponse(
                 self._stream(req, request_id, streams, len(ids), thinking, parse_tools, start), streams.close)
         try:
-            outputs = await wait_unless_disconnected(_drain(streams), request)
+            outputs = await wait_unless_disconnected(streams.drain(), request)
             for out in outputs:
                 check_generation_error(out)
         except ClientDisconnected:
@@ -203,10 +189,3 @@ class ChatServing(OpenAIServing):
                 self.log_request(request_id, 200 if outcome else CLIENT_CLOSED, usage.prompt_tokens,
                                  usage.completion_tokens, outcome or "abort", start)
         yield DONE_EVENT
-
-
-async def _drain(streams: EngineStreams) -> list[RequestOutput]:
-    final: dict[int, RequestOutput] = {}
-    async for j, out in streams:
-        final[j] = out
-    return [final[j] for j in range(len(streams))]

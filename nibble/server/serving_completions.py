@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
 from nibble.server.logprobs import completion_logprobs
@@ -92,7 +91,7 @@ class CompletionServing(OpenAIServing):
         if req.stream:
             return EventStreamResponse(self._stream(req, request_id, streams, prompt_lens, start), streams.close)
         try:
-            outputs = await wait_unless_disconnected(self._drain(streams), request)
+            outputs = await wait_unless_disconnected(streams.drain(), request)
             for out in outputs:
                 check_generation_error(out)
         except ClientDisconnected:
@@ -113,13 +112,6 @@ class CompletionServing(OpenAIServing):
                          ",".join(sorted({ch.finish_reason or "-" for ch in choices})), start)
         return json_response(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                 usage=usage))
-
-    @staticmethod
-    async def _drain(streams: EngineStreams) -> list[RequestOutput]:
-        final: dict[int, RequestOutput] = {}
-        async for i, out in streams:
-            final[i] = out
-        return [final[i] for i in range(len(streams))]
 
     async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
                       prompt_lens: list[int], start: float) -> AsyncIterator[str]:

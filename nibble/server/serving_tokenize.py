@@ -7,10 +7,10 @@ import asyncio
 from typing import Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nibble.engine.chat_template import ChatTemplateError
 from nibble.server.errors import bad_request
+from nibble.server.protocol import no_reserved_template_kwargs
 from nibble.server.serving_base import OpenAIServing, json_response, parse_model
 
 
@@ -26,6 +26,11 @@ class TokenizeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return no_reserved_template_kwargs(v)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -58,13 +63,8 @@ class TokenizeServing(OpenAIServing):
         assert self.tokenizer is not None
         if req.prompt is not None:
             return self.tokenizer.encode(req.prompt)
-        try:
-            text = self.tokenizer.apply_chat_template(req.messages, tools=req.tools,
-                                                      add_generation_prompt=req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
-        except (ChatTemplateError, TypeError) as exc:
-            raise bad_request(str(exc), param="messages") from None
-        return self.tokenizer.encode(text)
+        assert req.messages is not None
+        return self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs or {})[1]
 
     async def tokenize(self, body: dict[str, Any]) -> Response:
         req = parse_model(TokenizeRequest, body)
