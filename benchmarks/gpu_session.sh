@@ -43,7 +43,7 @@ stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests
 stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
 stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or paged or conv1d or gated_delta or chunk_plan or elementwise or route or nvfp4_linear or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf; }
-stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k logit_bias -p no:cacheprovider -rf; }
+stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "logit_bias or structured" -p no:cacheprovider -rf; }
 stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise or select_kernels" -p no:cacheprovider -rf; }
 stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
@@ -195,6 +195,10 @@ stage_abgdn() {  # decode steps, working tree against old_src.tgz (`git archive 
         --output-len 64 --max-num-seqs 32 --output-json "$OUT/ab_${model}_$v.json")
     done
   done
+}
+stage_structured() {  # decode step cost of JSON-schema requests against free ones (overlap on / off), 35B-A3B
+  run structured 300 python3 benchmarks/structured_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --tokenizer .bench_assets \
+    --batches 1,8,32 --out "$OUT/structured.json"
 }
 stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped scheduling on / off / on
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"

@@ -10,10 +10,11 @@ set -euo pipefail
 mkdir -p .whl .bench_assets
 ver() { python3 -m pip show "$1" | awk '/^Version/{print $2}'; }
 pkgs=(fla-core fastapi starlette uvicorn pydantic pydantic-core opentelemetry-api annotated-types
-      typing-inspection annotated-doc)
+      typing-inspection annotated-doc llguidance)
 specs=()
 for p in "${pkgs[@]}"; do specs+=("$p==$(ver "$p")"); done
 python3 -m pip download -q --no-deps -d .whl --python-version 3.12 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_31_x86_64 \
   --only-binary=:all: "${specs[@]}"
 shared=${SHARED:-../shared}/models/qwen3.5
 cp "$shared/tokenizer/tokenizer.json" "$shared/chat_template.jinja" .bench_assets/

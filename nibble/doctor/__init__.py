@@ -155,7 +155,8 @@ def render(doc: dict[str, Any]) -> str:
     out.append(f"  fla-core    {fla['version'] or 'not installed'}; gated_delta_rule importable: "
                f"{fla['importable']}{' (' + fla['detail'] + ')' if fla['detail'] else ''}")
     out.append("  packages    " + ", ".join(f"{p} {pk[p] or '-'}" for p in ("transformers", "safetensors",
-                                                                             "tokenizers", "fastapi", "uvicorn")))
+                                                                             "tokenizers", "fastapi", "uvicorn",
+                                                                             "llguidance")))
     out.append("gpus")
     for g in doc["gpus"] or []:
         out.append(f"  [{g['index']}] {g['name']}: sm_{g['capability'].replace('.', '')}, {g['sm_count']} SMs, "

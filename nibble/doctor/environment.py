@@ -20,7 +20,7 @@ import torch
 from nibble.kernels._triton import HAVE_TRITON, interpreting, tl, triton
 
 PACKAGES = ("torch", "triton", "fla-core", "transformers", "safetensors", "tokenizers", "fastapi", "uvicorn",
-            "numpy")
+            "numpy", "llguidance")
 NVIDIA_SMI_TIMEOUT_S = 15
 
 

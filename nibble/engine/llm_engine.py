@@ -33,6 +33,7 @@ from nibble.engine.request import CompletionOutput, Request, RequestOutput, Requ
 from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
+from nibble.engine.structured_output import GrammarBackend, StructuredOutputError
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
@@ -117,6 +118,7 @@ class LLMEngine:
                                           | set(self.generation_defaults.eos_token_ids or ())
                                           | set(self.tokenizer.eos_token_ids if self.tokenizer else ())))
         self._inflight: _Launched | None = None
+        self._grammars: GrammarBackend | None = None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -133,8 +135,21 @@ class LLMEngine:
 
     def warm_up(self) -> float:
         """Run dummy requests through every kind of step so that kernels are compiled and autotuned before
-        real requests arrive (nibble/engine/warmup.py), then `reset()`; returns the seconds taken."""
-        return warm_up(self)
+        real requests arrive (nibble/engine/warmup.py), then `reset()`; returns the seconds taken. Also
+        builds the structured-output tokenizer view, so that the first constrained request does not wait."""
+        t0 = time.perf_counter()
+        if self.tokenizer is not None:
+            self.structured_output_backend().prepare()
+        return warm_up(self) + time.perf_counter() - t0
+
+    def structured_output_backend(self) -> GrammarBackend:
+        """The grammar backend of this engine's tokenizer (built on first use)."""
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer, and this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                            self.eos_token_ids)
+        return self._grammars
 
     def reset(self) -> None:
         """Return an idle engine to its start-up state: no step in flight, counters at zero, the sampling
@@ -200,7 +215,16 @@ class LLMEngine:
         if self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
             raise EngineOverloaded(f"the server is overloaded: {self.scheduler.num_unfinished} requests are "
                                    "queued or running; retry later")
-        req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids)
+        grammar = None
+        if params.structured_outputs is not None:
+            start = params.structured_outputs.start_token_id
+            if start is not None and start >= vocab:
+                raise RequestError(f"structured outputs: start_token_id must be in [0, {vocab}), got {start}")
+            try:
+                grammar = self.structured_output_backend().compile(params.structured_outputs)
+            except StructuredOutputError as exc:
+                raise RequestError(f"structured outputs: {exc}") from None
+        req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
@@ -257,7 +281,8 @@ class LLMEngine:
         sched = self.scheduler
         return (self.config.async_scheduling and self.workers is None and not sched.waiting
                 and all(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running)
-                and not any(r.sampling_params.needs_penalties for r in self.requests.values()))
+                and not any(r.sampling_params.needs_penalties or r.grammar is not None
+                            for r in self.requests.values()))
 
     def _launch(self, inflight: _Launched | None) -> _Launched | None:
         """Schedule a batch and queue its model and sampling work; `inflight`: the step before it, whose
@@ -274,10 +299,18 @@ class LLMEngine:
         if logits is None:
             return _Launched(self.num_steps, sched, [], None)
         sampled = [sched.requests[i] for i in rows]
-        pending = sample_launch(logits, sampled, self._generator)
+        pending = sample_launch(logits, sampled, self._generator, self._bitmask(sampled))
         for j, req in enumerate(sampled):
             req.pending_rows.append(j)
         return _Launched(self.num_steps, sched, sampled, pending)
+
+    def _bitmask(self, sampled: list[Request]) -> tuple[list[int], torch.Tensor] | None:
+        """The structured-output bitmask of the sampled rows under a constraint (their rows, int32 [rows,
+        words] on the host), computed while the device runs the step's forward pass."""
+        rows = [j for j, r in enumerate(sampled) if r.grammar is not None and r.grammar.active]
+        if not rows or self._grammars is None:
+            return None
+        return rows, self._grammars.fill_bitmask([sampled[j].grammar for j in rows])  # type: ignore[misc]
 
     def _finish_step(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a step's sampled tokens and hand them to their requests (stop conditions, text)."""
@@ -319,13 +352,21 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif enough and not sp.ignore_eos and token in req.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
-        elif state.detok is not None:
+        grammar = req.grammar.accept(token) if req.grammar is not None else None
+        if grammar is not None and grammar != "stopped":
+            req.error = f"structured output: the sampled token broke the grammar ({grammar})"
+            logger.error("request %s: %s", req.request_id, req.error)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            return
+        if status is None and state.detok is not None:
             piece = state.detok.step([token])
             if enough:
                 piece, stopped = state.stop.process(piece)
                 if stopped:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop.matched
             state.text += piece
+        if status is None and grammar == "stopped":
+            status = RequestStatus.FINISHED_STOPPED
         # a pending token (of a step still in flight) is not part of this request's length yet
         length = req.num_prompt_tokens + req.num_output_tokens
         if status is None and (req.num_output_tokens >= (sp.max_tokens or 0) or length >= self.max_model_len):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.structured_output import GrammarState
 
 # A fed token sampled by a step still in flight: PENDING_BASE - row, row in that step's sampled tokens.
 PENDING_BASE = -1
@@ -67,6 +68,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     pending_rows: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,14 +1,15 @@
 """Sampling on the model's device for a batch of requests with per-request settings.
 
-Order: non-finite guard -> logit_bias -> penalties (repetition, presence, frequency over the generated
-tokens; repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> temperature ->
-top-k -> top-p -> min-p -> sample. Sampling uses the exponential-race trick (argmax p / q, q ~ Exp(1)), with
-q drawn from the request's own generator when it has a seed, so a seeded request gives the same tokens
-whatever else is in the batch. Log-probabilities are those of the raw model distribution.
+Order: non-finite guard -> logit_bias -> penalties (repetition, presence, frequency over the generated tokens;
+repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> structured output
+bitmask -> temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential-race trick (argmax
+p / q, q ~ Exp(1)), with q drawn from the request's own generator when it has a seed, so a seeded request
+gives the same tokens whatever else is in the batch. Log-probabilities are those of the raw model
+distribution.
 
-`sample_launch` queues all of it on the device and starts non-blocking copies of the results to the host;
-its `PendingSample.token_ids` can feed the next step before the host has seen them (the engine's
-overlapped scheduling), and `result()` waits for the copies. `sample` does both.
+`sample_launch` queues all of it on the device and starts non-blocking copies of the results to the host; its
+`PendingSample.token_ids` can feed the next step before the host has seen them (the engine's overlapped
+scheduling), and `result()` waits for the copies. `sample` does both.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nibble.engine.request import Request, TokenLogprobs
+from nibble.engine.structured_output import apply_token_bitmask
 from nibble.kernels.host_copy import to_device_async
 
 
@@ -146,15 +148,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 # The runner produces logits under inference mode; the in-place edits below (non-finite rows, penalties,
 # min_tokens) are only allowed on such tensors inside inference mode too.
 @torch.inference_mode()
-def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None,
+           bitmask: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
     """logits: fp32 [B, V] (one row per request, modified in place) -> sampled tokens and log-probs."""
-    return sample_launch(logits, requests, generator).result()
+    return sample_launch(logits, requests, generator, bitmask).result()
 
 
 @torch.inference_mode()
-def sample_launch(logits: torch.Tensor, requests: list[Request],
-                  generator: torch.Generator | None = None) -> PendingSample:
-    """`sample` without waiting for the device: logits fp32 [B, V] (modified in place)."""
+def sample_launch(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None,
+                  bitmask: tuple[list[int], torch.Tensor] | None = None) -> PendingSample:
+    """`sample` without waiting for the device: logits fp32 [B, V] (modified in place). bitmask: (rows,
+    int32 [len(rows), ceil(V / 32)] on the host) of the rows under a structured-output constraint
+    (structured_output.py), applied on the device."""
     # NaN propagates through max and +-inf shows in max/min: two cheap reductions instead of a [B, V] mask.
     hi, lo = torch.aminmax(logits, dim=-1)
     bad = ~(torch.isfinite(hi) & torch.isfinite(lo))
@@ -165,6 +170,9 @@ def sample_launch(logits: torch.Tensor, requests: list[Request],
     _add_logit_bias(logits, requests)
     _penalize(logits, requests)
     _suppress_stop_tokens(logits, requests)
+    if bitmask is not None and bitmask[0]:
+        apply_token_bitmask(logits, _on(bitmask[0], torch.int64, logits.device),
+                            to_device_async(bitmask[1], logits.device))
     greedy = [r.sampling_params.greedy for r in requests]
     tokens = torch.argmax(logits, dim=-1)
     if not all(greedy):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nibble.engine.structured_output import StructuredOutputsParams
+
 # Each stop token id is checked against every sampled token of the request: bound the list a client sends.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
@@ -22,6 +24,8 @@ class SamplingParams:
     token's own log-probability is included whenever logprobs is not None).
     logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI's field; -100
     bans a token, +100 all but forces it).
+    structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar;
+    structured_output.py). The grammar decides where the output ends, so min_tokens must stay 0.
     """
 
     n: int = 1
@@ -42,6 +46,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +91,14 @@ class SamplingParams:
                 if not (_finite(bias) and -100 <= bias <= 100):
                     raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token "
                                               f"{token}")
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams, got "
+                                          f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise SamplingParamsError("min_tokens cannot be combined with structured outputs (the grammar "
+                                          f"decides where the output ends), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

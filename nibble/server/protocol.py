@@ -44,6 +44,12 @@ def no_reserved_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | No
     return v
 
 
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM options that change nothing here: the JSON grammar never allows free whitespace, and there is no
+# other backend to fall back to
+_IGNORED_STRUCTURED_KEYS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -80,6 +86,14 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured outputs, three spellings: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (structured_spec)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -116,6 +130,54 @@ class _SamplingRequest(_Request):
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise ValueError("type 'json_schema' needs json_schema.schema, a JSON schema object")
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _known_constraints(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if key in _IGNORED_STRUCTURED_KEYS:
+                continue
+            if key not in _STRUCTURED_KEYS:
+                if value in (None, False):
+                    continue
+                raise ValueError(f"{key!r} is not supported; use one of {', '.join(_STRUCTURED_KEYS)}")
+        return v
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """The request's output constraint as (field name, `StructuredOutputsParams` keyword arguments), or
+        None. Raises ValueError when several fields set one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt.get("type") == "json_schema":
+            found.append(("response_format", {"json": fmt["json_schema"]["schema"]}))
+        so = {k: v for k, v in (self.structured_outputs or {}).items()
+              if k in _STRUCTURED_KEYS and v not in (None, False)}
+        if so:
+            found.append(("structured_outputs", so))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: value}))
+        if len(found) > 1:
+            raise ValueError("only one output constraint per request; got " + ", ".join(n for n, _ in found))
+        return found[0] if found else None
 
     @property
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -201,7 +263,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     include_reasoning: bool = True
@@ -209,23 +270,29 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _supported_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v is None or v in ("auto", "none"):
+        if v is None or v in ("auto", "none", "required"):
             return v
-        if v == "required" or isinstance(v, dict):
-            raise ValueError("only 'auto' and 'none' are supported (forcing a tool call needs guided decoding)")
-        raise ValueError(f"must be 'auto' or 'none', got {v!r}")
+        if isinstance(v, dict):
+            function = v.get("function")
+            if v.get("type") != "function" or not isinstance(function, dict) or \
+                    not isinstance(function.get("name"), str):
+                raise ValueError('a named tool choice is {"type": "function", "function": {"name": ...}}')
+            return v
+        raise ValueError(f"must be 'auto', 'none', 'required' or a named function, got {v!r}")
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether tool_choice forces a tool call, the function it names or None for any)."""
+        if self.tool_choice == "required":
+            return True, None
+        if isinstance(self.tool_choice, dict):
+            return True, self.tool_choice["function"]["name"]
+        return False, None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         return no_reserved_template_kwargs(v)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"type {v.get('type')!r} is not supported; only 'text' is")
-        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -470,7 +537,7 @@ def error_response(
 _FIELD_EXPECTS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "tool_choice": "'auto' or 'none'",
+    "tool_choice": "'auto', 'none', 'required' or a named function",
 }
 
 

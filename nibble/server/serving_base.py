@@ -22,10 +22,12 @@ from nibble.engine.chat_template import ChatTemplateError
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
+from nibble.engine.structured_output import StructuredOutputError, StructuredOutputsParams
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request, from_engine_error
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, format_validation_error
+from nibble.server.reasoning import THINK_END
 from nibble.server.token_text import TokenTexts
 
 logger = logging.getLogger("nibble.server")
@@ -42,11 +44,6 @@ DISCONNECT_POLL_S = 0.2
 # Fields of vLLM/OpenAI requests that would change the result but that nibble does not implement. The
 # protocol models ignore unknown fields, so these are refused here rather than silently dropped.
 UNSUPPORTED_FIELDS = {
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
     "prompt_logprobs": "prompt logprobs are not supported",
@@ -238,8 +235,35 @@ class OpenAIServing:
                               f"({num_prompt_tokens + max_tokens} in all); shorten the prompt or lower "
                               f"{max_param}", param=max_param)
 
+    async def structured_outputs(self, req: CompletionRequest | ChatCompletionRequest, after_reasoning: bool = False,
+                                 tool_grammar: str | None = None) -> StructuredOutputsParams | None:
+        """The request's output constraint (None without one), compiled once against the tokenizer here, off
+        the event loop, so that a bad schema, regex or grammar is a 400 naming its field. after_reasoning:
+        the chat prompt leaves the model thinking; the constraint then starts after its `</think>`.
+        tool_grammar: the grammar of a forced tool call (tool_grammar.py), which excludes the other kinds."""
+        try:
+            spec = req.structured_spec()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="response_format") from None
+        if tool_grammar is not None:
+            if spec is not None:
+                raise bad_request(f"tool_choice cannot force a tool call together with {spec[0]}", param="tool_choice")
+            spec = ("tool_choice", {"grammar": tool_grammar})
+        if spec is None:
+            return None
+        name, kwargs = spec
+        self.require_tokenizer()
+        assert self.tokenizer is not None
+        start = self.tokenizer.token_to_id(THINK_END) if after_reasoning else None
+        try:
+            params = StructuredOutputsParams(**kwargs, start_token_id=start)
+            await asyncio.to_thread(self.core.structured_output_backend().compile, params)
+        except StructuredOutputError as exc:
+            raise bad_request(f"{name}: {exc}", param=name) from None
+        return params
+
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for one prompt: the request's values, else the model's generation_config
         defaults for the fields it leaves unset, else the engine defaults."""
         values: dict[str, Any] = {}
@@ -257,7 +281,8 @@ class OpenAIServing:
                 **values, seed=req.seed, stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids)
+                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids,
+                structured_outputs=structured)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
 

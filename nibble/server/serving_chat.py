@@ -39,6 +39,8 @@ from nibble.server.serving_base import (
     wait_unless_disconnected,
 )
 from nibble.server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from nibble.server.tool_grammar import tool_call_grammar
+from nibble.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START
 
 CHAT_UNSUPPORTED_FIELDS = {
     **UNSUPPORTED_FIELDS,
@@ -70,6 +72,21 @@ class ChatServing(OpenAIServing):
             kwargs["enable_thinking"] = top
         return kwargs
 
+    def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:
+        """The grammar that forces the tool call `tool_choice` asks for ("required" or a named function), or
+        None; a 400 when there is nothing to call."""
+        forced, name = req.forced_tool
+        if not forced:
+            return None
+        if not req.tools:
+            raise bad_request("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
+        assert self.tokenizer is not None
+        tags = {t: i for t in (TOOL_CALL_START, TOOL_CALL_END) if (i := self.tokenizer.token_to_id(t)) is not None}
+        try:
+            return tool_call_grammar(req.tools, name, req.parallel_tool_calls is not False, tags)
+        except ValueError as exc:
+            raise bad_request(f"tool_choice: {exc}", param="tool_choice") from None
+
     async def create(self, body: dict[str, Any], request: Request) -> Response:
         """Serve one /v1/chat/completions request (already parsed as JSON)."""
         start = time.monotonic()
@@ -91,8 +108,10 @@ class ChatServing(OpenAIServing):
             room = self.max_model_len - len(ids)
             max_tokens = req.max_new_tokens or min(room, self.default_max_new_tokens or room)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            params = self.sampling_params(req, max_tokens, logprobs)
             thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+            structured = await self.structured_outputs(req, after_reasoning=thinking,
+                                                       tool_grammar=self._tool_grammar(req))
+            params = self.sampling_params(req, max_tokens, logprobs, structured)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
             jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p)
                     for j, p in enumerate(self.choice_params(params, req.n))]

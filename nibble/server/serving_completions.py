@@ -73,10 +73,11 @@ class CompletionServing(OpenAIServing):
             req = parse_model(CompletionRequest, body)
             self.check_model(req.model)
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+            structured = await self.structured_outputs(req)
             jobs = []
             for i, ids in enumerate(prompt_ids):
                 self.check_length(len(ids), req.max_tokens, "prompt")
-                params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs)
+                params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs, structured)
                 # choice i * n + j is prompt i's j-th completion, as OpenAI numbers them
                 for j, choice_params in enumerate(self.choice_params(params, req.n)):
                     jobs.append(EngineJob(f"{request_id}-{i * req.n + j}", ids, choice_params))

@@ -110,3 +110,35 @@ def test_logit_bias_and_choices_under_overlap() -> None:
     again = llm.generate([prompts[3]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                       logit_bias={t: -100.0 for t in banned}))
     assert not banned & set(again[0].outputs[0].token_ids)
+
+
+def test_structured_outputs_under_cuda_graphs() -> None:
+    """Constrained requests (JSON schema, regex, choice) beside free ones on the GPU, decode steps replayed
+    from CUDA graphs: every constrained output follows its constraint, and the free requests get the same
+    tokens as in a run without the constrained ones."""
+    import json
+    import re
+
+    from nibble.engine.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                               "w": {"type": "string", "maxLength": 8}},
+              "required": ["n", "ok", "w"], "additionalProperties": False}
+    llm = LLM(device="cuda", max_model_len=512, extra={"num_kv_blocks": 256}, warmup=False)
+    prompts = _prompts()
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [free, SamplingParams(temperature=0.8, seed=1, max_tokens=80,
+                                   structured_outputs=StructuredOutputsParams(json=schema)),
+              free, SamplingParams(temperature=0.0, max_tokens=20,
+                                   structured_outputs=StructuredOutputsParams(regex="[a-z]{3}-[0-9]{4}")),
+              free, SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                                   structured_outputs=StructuredOutputsParams(choice=["alpha", "beta", "gamma"])),
+              free, free]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    value = json.loads(outs[1].text)
+    assert set(value) == {"n", "ok", "w"} and isinstance(value["ok"], bool) and len(value["w"]) <= 8
+    assert re.fullmatch("[a-z]{3}-[0-9]{4}", outs[3].text)
+    assert outs[5].text in ("alpha", "beta", "gamma")
+    free_rows = [0, 2, 4, 6, 7]
+    alone = llm.generate([prompts[i] for i in free_rows], free)
+    assert [outs[i].token_ids for i in free_rows] == [a.outputs[0].token_ids for a in alone]
