@@ -118,7 +118,8 @@ class LLMEngine:
                                           | set(self.generation_defaults.eos_token_ids or ())
                                           | set(self.tokenizer.eos_token_ids if self.tokenizer else ())))
         self._inflight: _Launched | None = None
-        self._grammars: GrammarBackend | None = None
+        self._grammars = (GrammarBackend(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
+                          if self.tokenizer is not None else None)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -138,17 +139,15 @@ class LLMEngine:
         real requests arrive (nibble/engine/warmup.py), then `reset()`; returns the seconds taken. Also
         builds the structured-output tokenizer view, so that the first constrained request does not wait."""
         t0 = time.perf_counter()
-        if self.tokenizer is not None:
-            self.structured_output_backend().prepare()
-        return warm_up(self) + time.perf_counter() - t0
+        if self._grammars is not None:
+            self._grammars.prepare()
+        warm_up(self)
+        return time.perf_counter() - t0
 
     def structured_output_backend(self) -> GrammarBackend:
-        """The grammar backend of this engine's tokenizer (built on first use)."""
-        if self.tokenizer is None:
-            raise RequestError("structured outputs need a tokenizer, and this model has none")
+        """The grammar backend of this engine's tokenizer (its tokenizer view built on first use)."""
         if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                            self.eos_token_ids)
+            raise RequestError("structured outputs need a tokenizer, and this model has none")
         return self._grammars
 
     def reset(self) -> None:
@@ -307,7 +306,7 @@ class LLMEngine:
     def _bitmask(self, sampled: list[Request]) -> tuple[list[int], torch.Tensor] | None:
         """The structured-output bitmask of the sampled rows under a constraint (their rows, int32 [rows,
         words] on the host), computed while the device runs the step's forward pass."""
-        rows = [j for j, r in enumerate(sampled) if r.grammar is not None and r.grammar.active]
+        rows = [j for j, r in enumerate(sampled) if r.grammar is not None and r.grammar.started]
         if not rows or self._grammars is None:
             return None
         return rows, self._grammars.fill_bitmask([sampled[j].grammar for j in rows])  # type: ignore[misc]

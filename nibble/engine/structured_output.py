@@ -134,12 +134,7 @@ class GrammarState:
     def __init__(self, matcher: Any, start_token_id: int | None) -> None:
         self.matcher = matcher
         self.start_token_id = start_token_id
-        self.started = start_token_id is None
-
-    @property
-    def active(self) -> bool:
-        """Whether the next token is constrained."""
-        return self.started
+        self.started = start_token_id is None  # whether the next token is constrained
 
     def accept(self, token_id: int) -> str | None:
         """Advance by a sampled token; returns None to continue, "stopped" when the grammar is complete
@@ -160,9 +155,10 @@ class GrammarBackend:
     is complete. Building the tokenizer view takes ~1.5 s for a 248k vocabulary: `prepare()` does it ahead.
     """
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """tokenizer: a `tokenizers.Tokenizer`, serialised for llguidance only when `prepare()` runs."""
         self.vocab_size = vocab_size
-        self._tokenizer_json = tokenizer_json
+        self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
         self._lltok: Any = None
         self._executor: Any = None
@@ -178,7 +174,7 @@ class GrammarBackend:
         with self._lock:
             if self._lltok is None:
                 llg = _llguidance()
-                self._lltok = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                self._lltok = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size,
                                               eos_token=self._eos or None)
                 self._executor = llg.LLExecutor()
 

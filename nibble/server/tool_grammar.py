@@ -1,20 +1,12 @@
 """`tool_choice` "required" or a named function: a Lark grammar (llguidance dialect) that admits only tool
-calls in the Qwen3-Coder XML format the Qwen3.5 chat template teaches (tool_parser.py), so the structured-
-output machinery forces the model to call a tool:
+calls in the Qwen3-Coder XML format the Qwen3.5 chat template teaches (shown in tool_parser.py, whose tags it
+uses), so the structured-output machinery forces the model to call a tool.
 
-    <tool_call>
-    <function=NAME>
-    <parameter=ARG>
-    VALUE
-    </parameter>
-    </function>
-    </tool_call>
-
-NAME is one of the offered functions (or the named one); the parameters follow the order of the function's
-JSON schema `properties`, the required ones present, the others optional. A string-typed (or untyped) value
-is free text up to the closing tag, as the template renders strings (one of its values for a string enum);
-any other value is JSON following its schema, which the tool parser converts back. With parallel calls
-several calls may follow each other, one per line, as the template renders them.
+The function is one of the offered ones (or the named one); the parameters follow the order of the
+function's JSON schema `properties`, the required ones present, the others optional. A string-typed (or
+untyped) value is free text up to the closing tag, as the template renders strings (one of its values for a
+string enum); any other value is JSON following its schema, which the tool parser converts back. With
+parallel calls several calls may follow each other, one per line, as the template renders them.
 """
 
 from __future__ import annotations
@@ -22,16 +14,34 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nibble.server.tool_parser import (
+    FUNCTION_END,
+    FUNCTION_PREFIX,
+    PARAMETER_END,
+    PARAMETER_PREFIX,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+)
+
+
+def _rx(tag: str) -> str:
+    return tag.replace("/", "\\/")  # '/' delimits llguidance's regex literals
+
+
 # A text value and its closing tag: anything up to the first "\n</parameter>\n" (matched lazily) in which no
 # tag the tool parser would take as the value's end (`</parameter>`, `<parameter=`, `</function>`) comes
 # earlier.
-TEXT_VALUE = ("TEXT_VALUE: /(?s:.*)\\n<\\/parameter>\\n/ & "
-              "~/(?s:.*)(<\\/parameter>|<parameter=|<\\/function>)(?s:.*)<\\/parameter>\\n/")
+TEXT_VALUE = (f"TEXT_VALUE: /(?s:.*)\\n{_rx(PARAMETER_END)}\\n/ & "
+              f"~/(?s:.*)({'|'.join(_rx(t) for t in (PARAMETER_END, PARAMETER_PREFIX, FUNCTION_END))})"
+              f"(?s:.*){_rx(PARAMETER_END)}\\n/")
 
 
 def _lit(text: str) -> str:
     """A Lark string literal for `text` (JSON escapes, which llguidance's literals accept)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+_VALUE_CLOSE = _lit(f"\n{PARAMETER_END}\n")
 
 
 def _is_text(schema: Any) -> bool:
@@ -46,18 +56,18 @@ def _function_rules(i: int, function: dict[str, Any]) -> list[str]:
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     required = set(params.get("required") or [])
     rules: list[str] = []
-    body: list[str] = [_lit(f"<function={function['name']}>\n")]
+    body: list[str] = [_lit(f"{FUNCTION_PREFIX}{function['name']}>\n")]
     for j, (name, schema) in enumerate(props.items()):
-        head = _lit(f"<parameter={name}>\n")
+        head = _lit(f"{PARAMETER_PREFIX}{name}>\n")
         enum = schema.get("enum") if isinstance(schema, dict) else None
         if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
             choices = " | ".join(_lit(v) for v in enum)
-            rules.append(f"p{i}_{j}: {head} ({choices}) {_lit(chr(10) + '</parameter>' + chr(10))}")
+            rules.append(f"p{i}_{j}: {head} ({choices}) {_VALUE_CLOSE}")
         elif _is_text(schema):
             rules.append(f"v{i}_{j}[lazy]: TEXT_VALUE")
             rules.append(f"p{i}_{j}: {head} v{i}_{j}")
         else:
-            rules.append(f"p{i}_{j}: {head} %json {json.dumps(schema)} {_lit(chr(10) + '</parameter>' + chr(10))}")
+            rules.append(f"p{i}_{j}: {head} %json {json.dumps(schema)} {_VALUE_CLOSE}")
         body.append(f"p{i}_{j}" + ("" if name in required else "?"))
     rules.insert(0, f"f{i}: " + " ".join(body))
     return rules
@@ -84,7 +94,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, para
     many = parallel and name is None
     lines.append("start: call" + (' ("\\n" call)*' if many else ""))
     names = " | ".join(f"f{i}" for i in range(len(functions)))
-    lines.append(f'call: {tag("<tool_call>")} "\\n" ({names}) "</function>\\n" {tag("</tool_call>")}')
+    close = _lit(f"{FUNCTION_END}\n")
+    lines.append(f'call: {tag(TOOL_CALL_START)} "\\n" ({names}) {close} {tag(TOOL_CALL_END)}')
     for i, function in enumerate(functions):
         lines.extend(_function_rules(i, function))
     lines.append(TEXT_VALUE)
