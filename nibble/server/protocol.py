@@ -50,6 +50,15 @@ _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 _IGNORED_STRUCTURED_KEYS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
+class ConflictingConstraints(ValueError):
+    """More than one structured-output field of a request sets a constraint; `fields` names them, in the
+    order `_SamplingRequest.structured_spec` reads them."""
+
+    def __init__(self, fields: list[str]) -> None:
+        super().__init__("only one output constraint per request; got " + ", ".join(fields))
+        self.fields = tuple(fields)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -159,7 +168,7 @@ class _SamplingRequest(_Request):
 
     def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
         """The request's output constraint as (field name, `StructuredOutputsParams` keyword arguments), or
-        None. Raises ValueError when several fields set one."""
+        None. Raises ConflictingConstraints when several fields set one."""
         found: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format or {}
         if fmt.get("type") == "json_object":
@@ -176,7 +185,7 @@ class _SamplingRequest(_Request):
             if value is not None:
                 found.append((name, {key: value}))
         if len(found) > 1:
-            raise ValueError("only one output constraint per request; got " + ", ".join(n for n, _ in found))
+            raise ConflictingConstraints([n for n, _ in found])
         return found[0] if found else None
 
     @property

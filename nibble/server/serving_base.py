@@ -26,7 +26,13 @@ from nibble.engine.structured_output import StructuredOutputError, StructuredOut
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request, from_engine_error
 from nibble.server.metrics import ServerMetrics
-from nibble.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, format_validation_error
+from nibble.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ConflictingConstraints,
+    UsageInfo,
+    format_validation_error,
+)
 from nibble.server.reasoning import THINK_END
 from nibble.server.token_text import TokenTexts
 
@@ -243,8 +249,8 @@ class OpenAIServing:
         tool_grammar: the grammar of a forced tool call (tool_grammar.py), which excludes the other kinds."""
         try:
             spec = req.structured_spec()
-        except ValueError as exc:
-            raise bad_request(str(exc), param="response_format") from None
+        except ConflictingConstraints as exc:
+            raise bad_request(str(exc), param=", ".join(exc.fields)) from None
         if tool_grammar is not None:
             if spec is not None:
                 raise bad_request(f"tool_choice cannot force a tool call together with {spec[0]}", param="tool_choice")

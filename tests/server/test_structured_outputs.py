@@ -8,8 +8,10 @@ import json
 import re
 
 import openai
+import pytest
 
 from nibble.engine.tokenizer import Tokenizer
+from nibble.server.protocol import ChatCompletionRequest, CompletionRequest, ConflictingConstraints
 
 from .conftest import ServerHandle
 
@@ -149,3 +151,19 @@ def test_named_tool_choice(client: openai.OpenAI, server: ServerHandle, tokenize
             names += [t.function.name for t in c.delta.tool_calls or [] if t.function and t.function.name]
             finish = c.finish_reason or finish
     assert names == ["get_time"] and finish == "tool_calls"
+
+
+def test_conflicting_constraints_name_the_fields_given() -> None:
+    """Several constraint fields: the error names those given, in the order the request model reads them, and no
+    other (a response_format of type "text" sets none)."""
+    cases = [({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, ("response_format", "guided_regex")),
+             ({"structured_outputs": {"regex": "a+"}, "guided_json": SCHEMA}, ("structured_outputs", "guided_json")),
+             ({"response_format": {"type": "text"}, "guided_choice": ["a"], "guided_grammar": 'start: "a"'},
+              ("guided_choice", "guided_grammar"))]
+    for fields, given in cases:
+        for request in (CompletionRequest(prompt="x", **fields), ChatCompletionRequest(messages=MESSAGES, **fields)):
+            with pytest.raises(ConflictingConstraints) as info:
+                request.structured_spec()
+            assert info.value.fields == given
+            named = str(info.value).split("; got ", 1)[1]
+            assert named == ", ".join(given)
