@@ -200,6 +200,13 @@ stage_structured() {  # decode step cost of JSON-schema requests against free on
   run structured 300 python3 benchmarks/structured_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --tokenizer .bench_assets \
     --batches 1,8,32 --out "$OUT/structured.json"
 }
+stage_prefixcache() {  # TTFT with a shared prefix cached / computed, 122B-A10B dummy weights
+  run prefixcache 440 python3 benchmarks/prefix_cache_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+    --shared 1024,4096,16384 --out "$OUT/prefixcache.json"
+}
+stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
+  run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
+}
 stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped scheduling on / off / on
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"
 }

@@ -32,6 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before scheduling the next (default: overlap them)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up warm-up that compiles kernels for every step shape (GPU only)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks and GDN state of prompt prefixes seen before")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe-backend", default=None)
     p.add_argument("--attention-backend", default=None)
@@ -49,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
 

@@ -1,20 +1,25 @@
-"""Allocation of KV-cache blocks (full-attention layers) and GDN state slots (linear-attention layers).
+"""Allocation of KV-cache blocks (full-attention layers) and GDN state slots (linear-attention layers), and
+the prefix cache's share of both (prefix_cache.py).
 
 Block 0 and slot 0 are reserved scratch space: padded rows of a CUDA-graph batch point there, so they
-never touch a live sequence's cache.
+never touch a live sequence's cache. Blocks are reference counted: a cached prefix's blocks are shared by
+the entry and by every request that starts from it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from nibble.engine.prefix_cache import PrefixEntry, PrefixIndex
 from nibble.engine.request import Request
 
 
 class BlockManager:
-    """num_blocks blocks of block_size tokens and num_state_slots GDN slots, both with 1 reserved."""
+    """num_blocks blocks of block_size tokens and num_state_slots GDN slots, both with 1 reserved.
+    prefix_caching: keep cached prefixes (they live on free capacity: evicted whenever blocks or slots
+    are short)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, prefix_caching: bool = False) -> None:
         if num_blocks < 2 or num_state_slots < 2:
             raise ValueError(f"need at least 2 KV blocks and 2 state slots, got {num_blocks} and {num_state_slots}")
         self.num_blocks = num_blocks
@@ -22,6 +27,9 @@ class BlockManager:
         self.num_state_slots = num_state_slots
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
         self.free_slots: deque[int] = deque(range(1, num_state_slots))
+        self.ref_counts = [0] * num_blocks
+        self.prefix: PrefixIndex | None = PrefixIndex(block_size) if prefix_caching else None
+        self.round = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -32,16 +40,35 @@ class BlockManager:
         return self.num_blocks - 1
 
     @property
+    def num_cached_only_blocks(self) -> int:
+        """Blocks that only prefix-cache entries hold (free for the taking by eviction)."""
+        if not self.prefix:
+            return 0
+        refs: dict[int, int] = {}
+        for entry in self.prefix.entries.values():
+            for b in entry.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        return sum(self.ref_counts[b] == n for b, n in refs.items())
+
+    @property
     def usage(self) -> float:
-        """Fraction of usable KV blocks in use."""
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+        """Fraction of usable KV blocks that requests hold (blocks only the prefix cache holds count as free)."""
+        return 1.0 - (self.num_free_blocks + self.num_cached_only_blocks) / self.num_usable_blocks
+
+    def begin_round(self) -> None:
+        """Start a scheduling round: entries created or used from now on stay until the next round."""
+        self.round += 1
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = request.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(request.block_ids))
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= len(self.free_blocks)
+        """Whether the blocks for num_new_tokens more tokens are free, evicting cached prefixes if needed."""
+        need = self.blocks_needed(request, num_new_tokens)
+        while need > len(self.free_blocks) and self._evict_one():
+            pass
+        return need <= len(self.free_blocks)
 
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Grow request.block_ids to cover num_computed_tokens + num_new_tokens tokens."""
@@ -49,24 +76,112 @@ class BlockManager:
         if need > len(self.free_blocks):
             raise RuntimeError("allocate() without can_allocate()")
         for _ in range(need):
-            request.block_ids.append(self.free_blocks.popleft())
+            b = self.free_blocks.popleft()
+            self.ref_counts[b] = 1
+            request.block_ids.append(b)
+
+    def _take_slot(self) -> int | None:
+        while not self.free_slots and self._evict_one():
+            pass
+        return self.free_slots.popleft() if self.free_slots else None
 
     def allocate_slot(self, request: Request) -> bool:
-        """Give the request a GDN state slot; False when none is free. The caller zeroes the slot."""
+        """Give the request a GDN state slot; False when none is free. The caller zeroes (or fills) it."""
         if request.state_slot is not None:
             return True
-        if not self.free_slots:
+        slot = self._take_slot()
+        if slot is None:
             return False
-        request.state_slot = self.free_slots.popleft()
+        request.state_slot = slot
         return True
 
+    def _release_blocks(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_blocks.append(b)
+
     def free(self, request: Request) -> None:
-        self.free_blocks.extend(request.block_ids)
+        self.drop_split(request)
+        self._release_blocks(request.block_ids)
         request.block_ids = []
         if request.state_slot is not None:
             self.free_slots.append(request.state_slot)
             request.state_slot = None
 
     def all_free(self) -> bool:
-        return (len(self.free_blocks) == self.num_blocks - 1
-                and len(self.free_slots) == self.num_state_slots - 1)
+        """Whether no request holds a block or slot (the prefix cache's entries may)."""
+        num_entries = len(self.prefix) if self.prefix else 0
+        return (len(self.free_blocks) + self.num_cached_only_blocks == self.num_blocks - 1
+                and len(self.free_slots) + num_entries == self.num_state_slots - 1)
+
+    def match_prefix(self, request: Request) -> PrefixEntry | None:
+        """The longest cached prefix of a request about to start (nothing computed yet), pinned to this round."""
+        if self.prefix is None or request.num_computed_tokens or request.block_ids:
+            return None
+        entry = self.prefix.match(request.block_digests(self.block_size), request.num_prompt_tokens)
+        if entry is not None:
+            entry.round = self.round
+        return entry
+
+    def attach_prefix(self, request: Request, entry: PrefixEntry) -> None:
+        """Start the request from a cached prefix: share its blocks, count its tokens as computed. The
+        caller copies the entry's state into the request's slot before the next forward pass."""
+        for b in entry.block_ids:
+            self.ref_counts[b] += 1
+        request.block_ids = list(entry.block_ids)
+        request.num_computed_tokens = entry.num_tokens
+
+    def plan_split(self, request: Request) -> None:
+        """Decide where a request starting now cuts its prefill for the prefix cache (request.cache_split_at)."""
+        assert self.prefix is not None
+        digests = request.block_digests(self.block_size)
+        split = self.prefix.split_point(digests, request.num_prompt_tokens, request.num_computed_tokens)
+        request.cache_split_at = split
+        if split is not None:
+            self.prefix.splitting.add(digests[split // self.block_size - 1])
+
+    def drop_split(self, request: Request) -> None:
+        """Forget a request's cut (reached, or the request stopped or was preempted first)."""
+        split = request.cache_split_at
+        if split is not None and self.prefix is not None:
+            self.prefix.remove_split(request.block_digests(self.block_size)[split // self.block_size - 1])
+        request.cache_split_at = None
+
+    def add_prefix(self, request: Request) -> tuple[int, int] | None:
+        """Cache the request's first num_computed_tokens tokens (a block boundary of its prompt): an entry
+        sharing its blocks, with a slot for the state. Returns the state copy to run before the next
+        forward pass (request's slot, entry's slot), or None when no slot can be had."""
+        assert self.prefix is not None and request.state_slot is not None
+        num_tokens = request.num_computed_tokens
+        depth = num_tokens // self.block_size
+        digest = request.block_digests(self.block_size)[depth - 1]
+        if digest in self.prefix.entries:
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        blocks = request.block_ids[:depth]
+        for b in blocks:
+            self.ref_counts[b] += 1
+        self.prefix.add(PrefixEntry(digest, num_tokens, blocks, slot, self.round))
+        return request.state_slot, slot
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used entry not pinned to this round; False when there is none."""
+        entry = self.prefix.evictable(self.round) if self.prefix else None
+        if entry is None:
+            return False
+        assert self.prefix is not None
+        self.prefix.remove(entry)
+        self._release_blocks(entry.block_ids)
+        self.free_slots.append(entry.state_slot)
+        return True
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix and the record of prompts seen."""
+        if self.prefix is None:
+            return
+        for entry in self.prefix.clear():
+            self._release_blocks(entry.block_ids)
+            self.free_slots.append(entry.state_slot)

@@ -46,6 +46,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     max_waiting_requests: int = 4096
+    enable_prefix_caching: bool = True
+    prefix_cache_slots: int = 16
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,9 +68,15 @@ class EngineConfig:
               f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"--max-model-len must be >= 1, got {self.max_model_len}")
+        check(self.prefix_cache_slots >= 0, f"--prefix-cache-slots must be >= 0, got {self.prefix_cache_slots}")
         check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got '{self.device}'")
+
+    @property
+    def num_state_slots(self) -> int:
+        """GDN state slots to allocate: one per sequence, the reserved scratch slot, and the prefix cache's."""
+        return self.max_num_seqs + 1 + (self.prefix_cache_slots if self.enable_prefix_caching else 0)
 
     @property
     def torch_device(self) -> torch.device:

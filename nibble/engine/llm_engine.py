@@ -102,7 +102,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,
+                                   prefix_caching=config.enable_prefix_caching)
         capacity = self.blocks.num_usable_blocks * config.block_size
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d",
@@ -130,9 +131,11 @@ class LLMEngine:
             except BaseException:
                 self.shutdown()
                 raise
-        logger.info("engine ready in %.1f s: %d KV blocks x %d tokens, %d state slots, max_model_len %d, device %s",
-                    time.perf_counter() - t0, self.blocks.num_blocks, config.block_size,
-                    self.blocks.num_state_slots, self.max_model_len, self.device)
+        logger.info("engine ready in %.1f s: %d KV blocks x %d tokens, %d state slots (%s), max_model_len %d, "
+                    "device %s", time.perf_counter() - t0, self.blocks.num_blocks, config.block_size,
+                    self.blocks.num_state_slots,
+                    f"{config.prefix_cache_slots} for prefix caching" if config.enable_prefix_caching
+                    else "prefix caching off", self.max_model_len, self.device)
 
     def warm_up(self) -> float:
         """Run dummy requests through every kind of step so that kernels are compiled and autotuned before
@@ -158,6 +161,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._finish_step(self._inflight)
             self._inflight = None
+        self.blocks.clear_prefix_cache()
         if not self.blocks.all_free():
             raise RuntimeError("reset: KV-cache blocks or state slots are still held by finished requests")
         self.requests.clear()
@@ -167,6 +171,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        self.scheduler.num_prefix_query_tokens = 0
+        self.scheduler.num_prefix_hit_tokens = 0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device); no step may follow."""
@@ -252,7 +258,9 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": self.blocks.usage, "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions,
+                "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
+                "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens}
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for each request that advanced or finished. With
@@ -400,4 +408,4 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self._text.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.finished, error=req.error,
-                             prompt=state.prompt, metrics=metrics)
+                             prompt=state.prompt, metrics=metrics, num_cached_tokens=req.num_cached_tokens)

@@ -64,7 +64,7 @@ def cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len:
 def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
                        device: torch.device) -> tuple[int, int]:
     dtype, kv_dtype = engine.torch_dtype, engine.kv_torch_dtype
-    num_slots = engine.max_num_seqs + 1
+    num_slots = engine.num_state_slots
     dims = model_cache_dims(model_config, model)
     block_bytes, seq_state_bytes = rank_cache_bytes(model_config, dims, engine.block_size, dtype, kv_dtype)
     state_bytes = num_slots * seq_state_bytes
@@ -83,7 +83,8 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
                 f"not enough GPU memory for the caches: {budget / 2**30:.2f} GiB left after weights "
                 f"({used / 2**30:.2f} GiB in use) and activations ({peak / 2**30:.2f} GiB) at "
                 f"--gpu-memory-utilization {engine.gpu_memory_utilization}; GDN states need "
-                f"{state_bytes / 2**30:.2f} GiB for --max-num-seqs {engine.max_num_seqs}")
+                f"{state_bytes / 2**30:.2f} GiB for --max-num-seqs {engine.max_num_seqs}"
+                + (f" and --prefix-cache-slots {engine.prefix_cache_slots}" if engine.enable_prefix_caching else ""))
         return int(kv_bytes // block_bytes), num_slots
     gb = engine.kv_cache_memory_gb or CPU_DEFAULT_KV_GB
     wanted_blocks = engine.max_num_seqs * -(-max_model_len // engine.block_size) + 1
@@ -192,6 +193,8 @@ class ModelRunner:
     def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
         sampled."""
+        if step.state_copies:
+            self.caches.copy_state_slots(step.state_copies)
         if step.new_state_slots:
             self.caches.reset_state_slots(step.new_state_slots)
         num_seqs = step.num_seqs

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nibble.engine.prefix_cache import block_digests
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
 
@@ -45,6 +46,10 @@ class Request:
     next step feeds `all_token_ids[num_computed_tokens:...]`. Preemption frees the caches and resets it to
     0: the request is later recomputed from its prompt plus the tokens it had generated.
 
+    Prefix caching (prefix_cache.py): `num_cached_tokens` is how many prompt tokens came from a cached
+    prefix instead of being computed; `cache_split_at`, where this prompt's prefill stops for its state to
+    be cached (a block boundary that an earlier prompt shared), until the copy is taken.
+
     With overlapped scheduling a step may be scheduled before the host has seen the token the step before
     it sampled: `pending_rows` holds, per such token (oldest first), its row in that step's sampled tokens.
     Pending tokens count in `num_tokens` (they are fed like known ones) but not in `output_token_ids`;
@@ -69,6 +74,9 @@ class Request:
     num_preemptions: int = 0
     pending_rows: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None
+    num_cached_tokens: int = 0
+    cache_split_at: int | None = None
+    _block_digests: list[bytes] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +93,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def block_digests(self, block_size: int) -> list[bytes]:
+        """Chain digests of the prompt's full blocks (prefix_cache.block_digests), computed once."""
+        if self._block_digests is None:
+            self._block_digests = block_digests(self.prompt_token_ids, block_size)
+        return self._block_digests
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
@@ -135,6 +149,7 @@ class RequestOutput:
     error: str | None = None
     prompt: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,17 +1,18 @@
 """The host-side description of one engine step, independent of `Request` objects so that tensor-parallel
 rank 0 can send it to the other ranks: which tokens each sequence feeds, where its KV blocks and GDN slot
-are, which slots to zero first and which rows to sample. Positions, slot mapping and cu_seqlens follow from
-these on every rank (`ForwardBatch.build`), so they are not sent.
+are, which GDN states to copy and which slots to zero first (in that order), and which rows to sample.
+Positions, slot mapping and cu_seqlens follow from these on every rank (`ForwardBatch.build`), so they are
+not sent.
 
 On the wire a step is one int32 tensor:
-[num_seqs, num_new_slots, num_sample_rows, query_lens (num_seqs), context_lens (num_seqs),
- block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows, token ids (all
- sequences), block ids (all sequences)].
+[num_seqs, num_new_slots, num_sample_rows, num_state_copies, query_lens (num_seqs), context_lens
+ (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows, state copies
+ (source, destination pairs), token ids (all sequences), block ids (all sequences)].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import numpy as np
@@ -33,6 +34,7 @@ class StepInputs:
     state_slots: list[int]
     new_state_slots: list[int]
     sample_rows: list[int]
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -54,17 +56,18 @@ class StepInputs:
             new_state_slots=list(sched.new_state_slots),
             sample_rows=[i for i, (r, n) in enumerate(zip(reqs, sched.num_new_tokens))
                          if r.num_computed_tokens + n == r.num_tokens],
+            state_copies=list(sched.state_copies),
         )
 
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
         n = self.num_seqs
-        head = [n, len(self.new_state_slots), len(self.sample_rows)]
+        head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies)]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
                      (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
-                     self.sample_rows, chain.from_iterable(self.token_ids),
+                     self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.token_ids),
                      chain.from_iterable(self.block_tables))
-        count = 3 + 4 * n + len(self.new_state_slots) + len(self.sample_rows)
+        count = 4 + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
         count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
         # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
         return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
@@ -72,8 +75,8 @@ class StepInputs:
     @classmethod
     def unpack(cls, message: torch.Tensor) -> StepInputs:
         v = message.numpy().tolist()
-        n, n_new, n_sample = v[0], v[1], v[2]
-        pos = 3
+        n, n_new, n_sample, n_copies = v[0], v[1], v[2], v[3]
+        pos = 4
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -83,6 +86,7 @@ class StepInputs:
 
         query_lens, context_lens, table_lens, state_slots = take(n), take(n), take(n), take(n)
         new_state_slots, sample_rows = take(n_new), take(n_sample)
+        copies = take(2 * n_copies)
         tokens = take(sum(query_lens))
         blocks = take(sum(table_lens))
         tok_cu = [0, *accumulate(query_lens)]
@@ -94,4 +98,5 @@ class StepInputs:
             state_slots=state_slots,
             new_state_slots=new_state_slots,
             sample_rows=sample_rows,
+            state_copies=list(zip(copies[::2], copies[1::2])),
         )

@@ -155,6 +155,20 @@ class ModelCaches:
     kv: list[KVCache | None]
     gdn: list[GDNState | None]
 
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy GDN states (conv and recurrent) from slot to slot, for each (source, destination) pair;
+        no destination may be another pair's source."""
+        if not pairs:
+            return
+        idx = None
+        for st in self.gdn:
+            if st is None:
+                continue
+            if idx is None:
+                idx = to_device_async(torch.tensor(pairs, dtype=torch.long).t().contiguous(), st.conv.device)
+            st.conv.index_copy_(0, idx[1], st.conv.index_select(0, idx[0]))
+            st.ssm.index_copy_(0, idx[1], st.ssm.index_select(0, idx[0]))
+
     def reset_state_slots(self, slots: list[int] | torch.Tensor) -> None:
         """Zero the GDN states of freshly assigned slots."""
         if isinstance(slots, list):

@@ -30,6 +30,7 @@ _ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "seed", "moe_backend",
     "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
+    "enable_prefix_caching", "prefix_cache_slots",
 )
 
 
@@ -84,6 +85,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up: dummy requests that compile and autotune the kernels "
                              "of every step shape before the server takes requests (GPU only; default: run it)")
+    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
+                        help="reuse the KV blocks and GDN state of prompt prefixes that recur (default: on)")
+    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None, help="compute every prompt from its first token")
+    engine.add_argument("--prefix-cache-slots", type=int, default=None,
+                        help="GDN state slots set aside for cached prefixes, beyond one per sequence; each holds "
+                             "one prefix's recurrent state (default: 16)")
     engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch captured in a CUDA graph (default: 256)")
     engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")

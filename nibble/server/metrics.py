@@ -53,6 +53,10 @@ class _EngineCollector(Collector):
         yield counter("nibble:generation_tokens", "Tokens generated.", stats.get("num_generated_tokens", 0))
         yield counter("nibble:num_preemptions", "Requests preempted for lack of cache space.",
                       stats.get("num_preemptions", 0))
+        yield counter("nibble:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.get("prefix_cache_queries", 0))
+        yield counter("nibble:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      stats.get("prefix_cache_hits", 0))
 
 
 class ServerMetrics:

@@ -327,12 +327,19 @@ class ChatCompletionRequest(_SamplingRequest):
         return None if self.tool_choice == "none" else self.tools
 
 
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: cached_tokens, the prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     """Token counts of a response."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):

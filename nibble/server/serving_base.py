@@ -30,6 +30,7 @@ from nibble.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ConflictingConstraints,
+    PromptTokensDetails,
     UsageInfo,
     format_validation_error,
 )
@@ -168,7 +169,9 @@ def usage_of(outputs: list[RequestOutput | None], prompt_lens: list[int]) -> Usa
     """Token counts summed over the prompts of one request."""
     prompt = sum(prompt_lens)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs if o is not None)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def check_generation_error(out: RequestOutput) -> None:

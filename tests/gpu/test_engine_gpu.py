@@ -142,3 +142,25 @@ def test_structured_outputs_under_cuda_graphs() -> None:
     free_rows = [0, 2, 4, 6, 7]
     alone = llm.generate([prompts[i] for i in free_rows], free)
     assert [outs[i].token_ids for i in free_rows] == [a.outputs[0].token_ids for a in alone]
+
+
+def test_prefix_cache_hits_match_full_prefill_on_gpu() -> None:
+    """Requests starting from a cached prefix (state copied from the cache, fla's chunked prefill continuing on
+    it, attention reading the shared blocks) give the tokens of the same prompts computed in full."""
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, 990, (300,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, 990, (n,), generator=gen).tolist() for n in (7, 30, 1, 90, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    plain = LLM(device="cuda", max_model_len=512, enable_prefix_caching=False, extra={"num_kv_blocks": 256})
+    full = plain.generate(prompts, params)
+    del plain
+    llm = LLM(device="cuda", max_model_len=512, extra={"num_kv_blocks": 256})
+    outs = [llm.generate([p], params)[0] for p in prompts[:2]] + llm.generate(prompts[2:], params)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 288, 288, 288]
+    for a, b in zip(full, outs):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta[:8] == tb[:8]
+        la = [t.logprob for t in a.outputs[0].logprobs or []][:8]
+        lb = [t.logprob for t in b.outputs[0].logprobs or []][:8]
+        assert la == pytest.approx(lb, abs=0.05)
+    assert llm.engine.blocks.all_free()

@@ -10,6 +10,7 @@ def test_pack_unpack_round_trip() -> None:
         StepInputs([[5, 6, 7], [8]], [0, 12], [[3], [1, 2, 9, 4]], [2, 1], [2], [0, 1]),
         StepInputs([[1]] * 3, [4, 5, 6], [[7, 8]] * 3, [1, 2, 3], [], [0, 1, 2]),
         StepInputs([list(range(40))], [100], [list(range(35))], [7], [7], []),
+        StepInputs([[3, 4], [9]], [64, 7], [[1, 2, 5, 6, 8], [4]], [3, 5], [5], [0, 1], [(9, 3), (3, 10)]),
     ]
     for step in steps:
         message = step.pack()

@@ -78,6 +78,28 @@ def test_engine_tp2_matches_single_process(expert_parallel: bool, checkpoints: d
         assert [p.returncode for p in workers.procs] == [0]
 
 
+def test_prefix_cache_state_copies_reach_every_rank(checkpoints: dict[str, Path]) -> None:
+    """Requests starting from a cached prefix under tensor parallelism: the GDN state copies travel in the
+    step inputs to rank 1 as well, so the generations equal the single-process engine's without caching."""
+    model = str(checkpoints["fp32"])
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 250, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 250, (n,), generator=gen).tolist() for n in (3, 5, 2, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = LLM(model=model, enable_prefix_caching=False, **ENGINE_ARGS)
+    expected = [plain.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(model=model, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        assert llm.engine.blocks.prefix is not None
+        llm.engine.blocks.prefix.min_split_tokens = 8  # the test's prompts are short
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 20, 20]
+        assert llm.engine.blocks.all_free()
+    finally:
+        llm.engine.shutdown()
+
+
 def test_workers_exit_when_rank0_dies(checkpoints: dict[str, Path]) -> None:
     script = (
         "import sys\n"

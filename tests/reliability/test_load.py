@@ -178,7 +178,9 @@ def test_load_mixed_with_cancellations(server: ServerHandle) -> None:
     assert wait_idle(server.engine, timeout=15), server.engine.stats()
     core = server.engine.engine
     assert not core.requests and core.blocks.all_free()
-    assert len(core.blocks.free_slots) == core.blocks.num_state_slots - 1
+    # every slot is free again, apart from those of cached prefixes (the load shares chat-template prefixes)
+    num_entries = len(core.blocks.prefix or ())
+    assert len(core.blocks.free_slots) + num_entries == core.blocks.num_state_slots - 1
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
         r = http.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 3})

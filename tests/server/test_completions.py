@@ -207,3 +207,18 @@ def test_logit_bias(client: openai.OpenAI, server: ServerHandle, tokenizer: Toke
     again = complete(client, server, "Once upon a time", max_tokens=1, **GREEDY, logprobs=0,
                      logit_bias={str(t): -100 for t in same_text})
     assert again.choices[0].logprobs.tokens[0] != first
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client: openai.OpenAI, server: ServerHandle,
+                                                                   tokenizer: Tokenizer) -> None:
+    shared = "You are a careful assistant. " * 60
+    prompts = [shared + tail for tail in ("Say hello.", "Count to three.", "Name a colour.")]
+    outs = [complete(client, server, p, max_tokens=2, **GREEDY) for p in prompts]
+    details = [o.usage.prompt_tokens_details for o in outs]
+    assert all(d is not None for d in details)
+    common = len(tokenizer.encode(shared))
+    block = server.engine.engine.config.block_size
+    # the second prompt discovers the shared prefix and computes it; the third starts from it
+    assert details[1].cached_tokens == 0
+    assert 0 < details[2].cached_tokens <= common and details[2].cached_tokens % block == 0
+    assert details[2].cached_tokens > common - 2 * block

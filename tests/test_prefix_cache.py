@@ -1,0 +1,187 @@
+"""Prefix caching (nibble/engine/prefix_cache.py): the digests, the index, the reference-counted blocks,
+and the engine end to end on the demo model (CPU), where every output must equal the same engine's output
+with prefix caching off: sequential and batched requests sharing a prefix, chunked prefill around the
+split point, preemption and eviction on a tiny KV pool, seeded sampling, several requests for one prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.engine.block_manager import BlockManager
+from nibble.engine.llm import LLM
+from nibble.engine.prefix_cache import PrefixIndex, block_digests
+from nibble.engine.request import Request
+from nibble.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+BLOCK = 16
+
+
+def _ids(n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, 990, (n,), generator=gen).tolist()
+
+
+def test_block_digests_identify_whole_prefixes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = _ids(70, gen)
+    b = a[:40] + _ids(30, gen)
+    da, db = block_digests(a, BLOCK), block_digests(b, BLOCK)
+    assert len(da) == 70 // BLOCK  # the partial last block has no digest
+    assert da[:2] == db[:2] and all(x != y for x, y in zip(da[2:], db[2:]))
+    # a change in the first block changes every digest after it: digests are chains, not per-block
+    c = [a[0] + 1, *a[1:]]
+    assert all(x != y for x, y in zip(block_digests(c, BLOCK), da))
+    assert block_digests(a[:48], BLOCK) == da[:3]
+    assert len(set(da)) == len(da)
+
+
+def test_index_splits_where_prompts_were_shared_and_matches_leaving_a_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    index = PrefixIndex(BLOCK, min_split_tokens=32)
+    first = _ids(60, gen)
+    second = first[:50] + _ids(20, gen)
+    d1, d2 = block_digests(first, BLOCK), block_digests(second, BLOCK)
+    assert index.split_point(d1, len(first), 0) is None  # nothing seen yet
+    index.record(d1)
+    assert index.split_point(d2, len(second), 0) == 48  # 3 shared full blocks
+    assert index.split_point(d2, len(second), 32) is None  # only 16 more than a cached 32: not worth a cut
+    assert PrefixIndex(BLOCK, min_split_tokens=64).split_point(d2, len(second), 0) is None
+    index.splitting.add(d2[2])  # another request is already cut there
+    assert index.split_point(d2, len(second), 0) is None
+    index.remove_split(d2[2])
+    assert index.match(d2, len(second)) is None
+    # an exact repeat splits at its last full block that leaves a token to compute
+    assert index.split_point(d1, 48, 0) == 32
+
+
+def test_blocks_are_shared_by_reference_and_evicted_least_recently_used_first() -> None:
+    manager = BlockManager(num_blocks=9, block_size=4, num_state_slots=4, prefix_caching=True)
+    prompt = list(range(20))
+    req = Request("a", prompt, GREEDY)
+    manager.begin_round()
+    assert manager.allocate_slot(req)
+    manager.allocate(req, 12)
+    req.num_computed_tokens = 12
+    src, dst = manager.add_prefix(req)  # type: ignore[misc]
+    assert src == req.state_slot and dst != src
+    shared = req.block_ids[:3]
+    other = Request("b", [*prompt[:16], 99, 98], GREEDY)
+    entry = manager.match_prefix(other)
+    assert entry is not None and entry.num_tokens == 12 and entry.block_ids == shared
+    manager.attach_prefix(other, entry)
+    assert other.num_computed_tokens == 12 and other.block_ids == shared
+    assert all(manager.ref_counts[b] == 3 for b in shared)
+    manager.free(req)
+    manager.free(other)
+    assert all(manager.ref_counts[b] == 1 for b in shared)  # the entry still holds them
+    assert manager.all_free() and manager.usage == 0.0
+    # entries created or used in this round stay; from the next round on, shortage evicts them
+    assert manager.num_free_blocks == 5
+    assert not manager.can_allocate(Request("c", list(range(40)), GREEDY), 24)
+    assert len(manager.prefix or ()) == 1
+    manager.begin_round()
+    assert manager.can_allocate(Request("d", list(range(40)), GREEDY), 24)
+    assert len(manager.prefix or ()) == 0 and all(manager.ref_counts[b] == 0 for b in shared)
+    assert manager.num_free_blocks == 8
+
+
+SHARED = 300  # tokens of the shared prefix; cached up to its last full block, 288
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    system = _ids(SHARED, gen)
+    prompts = [system + _ids(n, gen) for n in (5, 9, 1, 30, 18)]
+    prompts.append(list(prompts[0]))  # an exact repeat
+    prompts.append(_ids(40, gen))  # unrelated
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def uncached() -> list[list[int]]:
+    llm = LLM(device="cpu", max_model_len=512, enable_prefix_caching=False)
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in _prompts()]
+
+
+def test_sequential_requests_reuse_the_shared_prefix(uncached: list[list[int]]) -> None:
+    llm = LLM(device="cpu", max_model_len=512)
+    prompts = _prompts()
+    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == uncached
+    # the first request has nobody to share with, the second discovers the shared prefix (cut at its last
+    # full block) and computes it, the later ones start from there
+    boundary = SHARED // BLOCK * BLOCK
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[:2] == [0, 0] and cached[2:6] == [boundary] * 4 and cached[6] == 0
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] == 4 * boundary
+    assert stats["prefix_cache_queries"] == sum(len(p) for p in prompts)
+    assert llm.engine.blocks.all_free()
+
+
+def test_batched_chunked_and_preempted_runs_match(uncached: list[list[int]]) -> None:
+    prompts = _prompts()
+    warm = LLM(device="cpu", max_model_len=512)
+    warm.generate(prompts[:2], GREEDY)
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, GREEDY)] == uncached
+    # a 40-token budget cuts prefills into chunks around the split point; 48 blocks of 16 tokens (two
+    # prompts' worth) force evictions and preemptions while entries share blocks with running requests
+    tight = LLM(device="cpu", max_model_len=512, max_num_batched_tokens=40, extra={"num_kv_blocks": 48})
+    for _ in range(2):
+        outs = tight.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == uncached
+    assert tight.engine.num_preemptions > 0
+    assert tight.engine.stats()["prefix_cache_hits"] > 0
+    assert tight.engine.blocks.all_free()
+    tight.engine.reset()
+    blocks = tight.engine.blocks
+    assert blocks.num_free_blocks == blocks.num_usable_blocks and len(blocks.free_slots) == blocks.num_state_slots - 1
+
+
+def test_seeded_sampling_is_the_same_with_a_cached_prefix() -> None:
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
+    plain = LLM(device="cpu", max_model_len=512, enable_prefix_caching=False)
+    cached = LLM(device="cpu", max_model_len=512)
+    cached.generate(prompts[:2], GREEDY)
+    a = plain.generate(prompts[2:4], params)
+    b = cached.generate(prompts[2:4], params)
+    boundary = SHARED // BLOCK * BLOCK
+    assert [o.num_cached_tokens for o in b] == [boundary, boundary]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    for x, y in zip(a, b):
+        lx = [t.logprob for t in x.outputs[0].logprobs or []]
+        ly = [t.logprob for t in y.outputs[0].logprobs or []]
+        assert lx == pytest.approx(ly, abs=1e-5)
+
+
+def test_prefix_cache_slots_are_part_of_the_state_pool() -> None:
+    on = LLM(device="cpu", max_model_len=64, max_num_seqs=4, prefix_cache_slots=3)
+    off = LLM(device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=False)
+    assert on.engine.blocks.num_state_slots == 4 + 1 + 3
+    assert off.engine.blocks.num_state_slots == 4 + 1 and off.engine.blocks.prefix is None
+
+
+def test_requests_for_one_prompt_at_once_are_not_all_cut() -> None:
+    prompts = _prompts()
+    llm = LLM(device="cpu", max_model_len=512)
+    llm.generate(prompts[:1], GREEDY)
+    cuts: list[int | None] = []
+    admit = llm.engine.scheduler._admit
+
+    def spy(req, budget, out):  # type: ignore[no-untyped-def]
+        ok = admit(req, budget, out)
+        if ok:
+            cuts.append(req.cache_split_at)
+        return ok
+
+    llm.engine.scheduler._admit = spy  # type: ignore[method-assign]
+    outs = llm.generate([prompts[1]] * 4, GREEDY)
+    # the first is cut where it meets the earlier prompt, the second where it meets the first (its last full
+    # block), the others are not cut at all: those places are already being cut for
+    last = (len(prompts[1]) - 1) // BLOCK * BLOCK
+    assert cuts == [SHARED // BLOCK * BLOCK, last, None, None]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.num_cached_tokens for o in llm.generate([prompts[1]], GREEDY)] == [last]
+    assert not llm.engine.blocks.prefix.splitting  # type: ignore[union-attr]
