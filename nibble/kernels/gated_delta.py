@@ -191,6 +191,13 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
 
 FLA_CHUNK = 64  # chunk_gated_delta_rule's chunk length (its default), which its chunk indices count in
 
+# Batches of at most this many tokens take the recurrent kernel instead of fla's chunked one: a call of fla's
+# costs about 1.2 ms of host time (its Python wrappers and seven launches) for 0.05-0.2 ms of GPU time, and
+# short prefills are host-bound. On the H200 (docs/benchmarks.md, seventeenth session) a 122B-A10B prefill of
+# 16-512 tokens took 59-75 ms this way against 96-133 ms through fla; at 1024 fla was ahead (119 vs 127 ms),
+# the recurrent kernel's time growing with the longest sequence.
+RECURRENT_MAX_TOKENS = 512
+
 
 def fla_chunk_indices(cu_seqlens_cpu: list[int], device: torch.device) -> torch.Tensor:
     """fla's varlen chunk plan, int64 [num_chunks, 2] of (sequence, chunk within it), from host offsets: the
@@ -205,18 +212,19 @@ def gated_delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
                          state_slots: torch.Tensor, cu_seqlens_cpu: list[int] | None = None) -> torch.Tensor:
     """`gated_delta_rule_ref` with fla-core's chunked kernel for prefill and mixed batches (varlen,
-    initial states gathered from the slots, final states scattered back) and the in-place recurrent
-    kernel when every sequence has one token (T == B). With cu_seqlens_cpu the chunk plan is built on the
-    host and copied without blocking; without it, fla derives it from the device offsets, which makes the
-    host wait for the GPU once per call (per GDN layer of a prefill)."""
+    initial states gathered from the slots, final states scattered back), and the in-place recurrent
+    kernel when every sequence has one token (T == B) or the batch is short (T <= RECURRENT_MAX_TOKENS).
+    With cu_seqlens_cpu the chunk plan is built on the host and copied without blocking; without it, fla
+    derives it from the device offsets, which makes the host wait for the GPU once per call (per GDN layer
+    of a prefill)."""
     t = q.shape[0]
     b = state_slots.shape[0]
-    if t == b:
-        return gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
-    _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
     if cu_seqlens_cpu is not None and (len(cu_seqlens_cpu) != b + 1 or cu_seqlens_cpu[-1] != t):
         raise ValueError(f"gated_delta_rule: cu_seqlens_cpu has {len(cu_seqlens_cpu)} offsets ending at "
                          f"{cu_seqlens_cpu[-1] if cu_seqlens_cpu else None}, expected {b + 1} ending at {t}")
+    if t == b or t <= RECURRENT_MAX_TOKENS:
+        return gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
+    _check(q, k, v, g, beta, ssm_state, cu_seqlens, state_slots)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     slots = state_slots.long()

@@ -19,7 +19,11 @@ from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
 from nibble.kernels.conv1d import causal_conv1d_ref
-from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref
+from nibble.kernels.gated_delta import (
+    RECURRENT_MAX_TOKENS,
+    gated_delta_rule_decode_ref,
+    gated_delta_rule_ref,
+)
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
@@ -319,7 +323,9 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     worst = 0.0
-    for q_lens in ([1, 1, 1], [1, 45, 20]):
+    # on the GPU also a batch past RECURRENT_MAX_TOKENS, which the fla backend runs through fla's own kernel
+    longer = ([1, 45, RECURRENT_MAX_TOKENS],) if ctx.device.type == "cuda" else ()
+    for q_lens in ([1, 1, 1], [1, 45, 20], *longer):
         b, t = len(q_lens), sum(q_lens)
         q, k, v = ctx.randn(t, hk, dk), ctx.randn(t, hk, dk), ctx.randn(t, hv, dv)
         g = -0.5 * ctx.rand(t, hv)

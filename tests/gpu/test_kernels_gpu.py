@@ -204,14 +204,16 @@ def _gdn_inputs(c: ModelConfig, t: int):
     return q, k, v, g, beta
 
 
+@pytest.mark.parametrize("first_len", [300, 700])
 @pytest.mark.parametrize("host_offsets", [False, True])
 @pytest.mark.parametrize("fn", [gated_delta_rule_fla, gated_delta_rule_recurrent])
-def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn, host_offsets: bool) -> None:
+def test_gated_delta_prefill_then_decode_matches_whole_sequence(fn, host_offsets: bool, first_len: int) -> None:
     """Chunked prefill of sequences (with a mixed batch) then decode steps == the reference run over the
     whole sequences at once; with the offsets also given as a host list (what the GDN layer passes, so
-    that fla plans its chunks without a device sync) or not."""
+    that fla plans its chunks without a device sync) or not. The fla backend takes its recurrent kernel up to
+    RECURRENT_MAX_TOKENS tokens (first_len 300) and fla's chunked one beyond (700)."""
     c = config("122B")
-    lens, decode_steps = [300, 1, 77], 4
+    lens, decode_steps = [first_len, 1, 77], 4
     total = [n + decode_steps for n in lens]
     seqs = [_gdn_inputs(c, n) for n in total]
     slots = torch.tensor([9, 2, 5], dtype=torch.int32, device=DEV)
