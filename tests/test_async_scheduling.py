@@ -10,6 +10,7 @@ import torch
 
 from nibble.engine.llm import LLM
 from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.structured_output import StructuredOutputsParams
 
 
 def _prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
@@ -102,13 +103,41 @@ def test_seeded_sampling_and_logprobs_match_sync(prompts) -> None:
     assert any(seen)
 
 
-def test_penalties_turn_overlap_off(prompts) -> None:
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * (len(prompts) - 1)
-    params.append(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3))
+def test_penalties_and_grammars_keep_overlap_with_deferred_sampling(prompts) -> None:
+    """Requests that sample from their earlier tokens (penalties, min_tokens, a grammar) next to free ones:
+    the next step's forward pass is still queued ahead, its sampling waits for the host to handle the step
+    before, and every output equals the synchronous engine's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
+              "required": ["a", "b"]}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, presence_penalty=0.5,
+                       frequency_penalty=0.7, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=20,
+                       structured_outputs=StructuredOutputsParams(choice=("red", "green", "blue"))),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=9, stop_token_ids=[7, 11, 13]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=12, ignore_eos=True),
+    ]
     sync = _run(prompts, params, False)[0]
-    over, seen, _ = _run(prompts, params, True)
+    llm = LLM(device="cpu", max_model_len=256)
+    seen = _spy_inflight(llm)
+    deferred = []
+    sample_deferred = llm.engine._sample_deferred
+
+    def spy(launched):  # type: ignore[no-untyped-def]
+        deferred.append(len(launched.sampled))
+        sample_deferred(launched)
+
+    llm.engine._sample_deferred = spy  # type: ignore[method-assign]
+    over = llm.generate(prompts, params)
     assert _fields(over) == _fields(sync)
-    assert not any(seen)
+    for a, b in zip(over, sync):
+        assert [t.logprob for t in a.outputs[0].logprobs or []] == \
+            pytest.approx([t.logprob for t in b.outputs[0].logprobs or []], abs=1e-4)
+    assert sum(seen) > 5 and len(deferred) > 5
+    assert llm.engine.blocks.all_free()
 
 
 def test_abort_while_a_step_is_in_flight() -> None:

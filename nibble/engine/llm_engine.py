@@ -7,8 +7,13 @@ tokens, feeding them to the next step on the device (the requests' pending token
 detokenizes and reports while the device runs that next step. So the host's work between two decode
 steps no longer leaves the GPU idle; only decode steps are queued ahead (see `_can_overlap`). A request
 that stops (EOS, stop string, error, abort) has its row of the step already queued discarded; requests
-reaching max_tokens are not scheduled again. Off under tensor parallelism and while any request uses
-repetition/presence/frequency penalties (they need every token on the host).
+reaching max_tokens are not scheduled again. Off under tensor parallelism.
+
+Penalties (repetition/presence/frequency) and structured outputs need the token of the step before on the
+host: the sampler counts it, the grammar's matcher must have taken it before it can say which tokens come
+next. While a request uses them, the queued step's forward pass still goes ahead, but its sampling is
+deferred (`_Launched.logits`) until the host has handled the step before; the GPU keeps running the forward
+pass meanwhile, and sampling queues behind it.
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ class EngineOverloaded(RuntimeError):
 @dataclass
 class _Launched:
     """A step queued on the device (`step`: its number; `sched`: its batch): the requests whose rows were
-    sampled (in row order) and their tokens."""
+    sampled (in row order) and their tokens; or, while its sampling is deferred, its logits [rows, V]."""
 
     step: int
     sched: ScheduledBatch
     sampled: list[Request]
     pending: PendingSample | None
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -272,8 +278,11 @@ class LLMEngine:
             if cur is None:
                 return []
             if self._can_overlap():
-                self._inflight = self._launch(cur)
-            return self._finish_step(cur)
+                self._inflight = self._launch(cur, defer_sampling=self._needs_host_tokens())
+            outputs = self._finish_step(cur)
+            if self._inflight is not None and self._inflight.logits is not None:
+                self._sample_deferred(self._inflight)
+            return outputs
         except BaseException:
             self._inflight = None
             for req in self.requests.values():
@@ -287,13 +296,15 @@ class LLMEngine:
         gain: the host work it hides is small next to a prefill chunk's GPU time."""
         sched = self.scheduler
         return (self.config.async_scheduling and self.workers is None and not sched.waiting
-                and all(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running)
-                and not any(r.sampling_params.needs_penalties or r.grammar is not None
-                            for r in self.requests.values()))
+                and all(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running))
 
-    def _launch(self, inflight: _Launched | None) -> _Launched | None:
-        """Schedule a batch and queue its model and sampling work; `inflight`: the step before it, whose
-        sampled tokens are still on the device."""
+    def _needs_host_tokens(self) -> bool:
+        """Whether a running request samples from its earlier tokens (penalties, a grammar's matcher)."""
+        return any(r.sampling_params.needs_penalties or r.grammar is not None for r in self.scheduler.running)
+
+    def _launch(self, inflight: _Launched | None, defer_sampling: bool = False) -> _Launched | None:
+        """Schedule a batch and queue its model work and, unless defer_sampling, its sampling; `inflight`:
+        the step before it, whose sampled tokens are still on the device."""
         sched = self.scheduler.schedule()
         self.num_preemptions += sched.num_preempted
         if sched.empty:
@@ -306,15 +317,25 @@ class LLMEngine:
         if logits is None:
             return _Launched(self.num_steps, sched, [], None)
         sampled = [sched.requests[i] for i in rows]
-        pending = sample_launch(logits, sampled, self._generator, self._bitmask(sampled))
+        launched = _Launched(self.num_steps, sched, sampled, None, logits if defer_sampling else None)
+        if not defer_sampling:
+            launched.pending = sample_launch(logits, sampled, self._generator, self._bitmask(sampled))
         for j, req in enumerate(sampled):
             req.pending_rows.append(j)
-        return _Launched(self.num_steps, sched, sampled, pending)
+        return launched
+
+    def _sample_deferred(self, launched: _Launched) -> None:
+        """Queue the sampling of a step launched with defer_sampling, now that the host has handled the step
+        before it (its tokens are in the requests' outputs and grammars)."""
+        assert launched.logits is not None
+        launched.pending = sample_launch(launched.logits, launched.sampled, self._generator,
+                                         self._bitmask(launched.sampled), own_pending=1)
+        launched.logits = None
 
     def _bitmask(self, sampled: list[Request]) -> tuple[list[int], torch.Tensor] | None:
         """The structured-output bitmask of the sampled rows under a constraint (their rows, int32 [rows,
         words] on the host), computed while the device runs the step's forward pass."""
-        rows = [j for j, r in enumerate(sampled) if r.grammar is not None and r.grammar.started]
+        rows = [j for j, r in enumerate(sampled) if r.grammar is not None and r.grammar.started and not r.finished]
         if not rows or self._grammars is None:
             return None
         return rows, self._grammars.fill_bitmask([sampled[j].grammar for j in rows])  # type: ignore[misc]

@@ -45,13 +45,13 @@ def _penalize(logits: torch.Tensor, requests: list[Request]) -> None:
             continue
         row = logits[i]
         if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in req.prompt_token_ids + req.output_token_ids if t < vocab}),
-                                dtype=torch.long, device=logits.device)
+            seen = _on(sorted({t for t in req.prompt_token_ids + req.output_token_ids if t < vocab}), torch.long,
+                       logits.device)
             if seen.numel():
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
         if req.output_token_ids and (sp.presence_penalty or sp.frequency_penalty):
-            out = torch.tensor([t for t in req.output_token_ids if t < vocab], dtype=torch.long, device=logits.device)
+            out = _on([t for t in req.output_token_ids if t < vocab], torch.long, logits.device)
             counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
             counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
@@ -71,11 +71,11 @@ def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
         logits.index_put_((idx[0], idx[1]), _on(biases, logits.dtype, logits.device), accumulate=True)
 
 
-def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request], own_pending: int) -> None:
     for i, req in enumerate(requests):
         sp = req.sampling_params
         # tokens sampled by a step still in flight count: this row samples the token after them
-        if req.num_output_tokens + req.num_pending_tokens < sp.min_tokens:
+        if req.num_output_tokens + req.num_pending_tokens - own_pending < sp.min_tokens:
             ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
             ids = [t for t in ids if t < logits.shape[-1]]
             if ids:
@@ -156,10 +156,12 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
 
 @torch.inference_mode()
 def sample_launch(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None,
-                  bitmask: tuple[list[int], torch.Tensor] | None = None) -> PendingSample:
+                  bitmask: tuple[list[int], torch.Tensor] | None = None, own_pending: int = 0) -> PendingSample:
     """`sample` without waiting for the device: logits fp32 [B, V] (modified in place). bitmask: (rows,
     int32 [len(rows), ceil(V / 32)] on the host) of the rows under a structured-output constraint
-    (structured_output.py), applied on the device."""
+    (structured_output.py), applied on the device. own_pending: 1 when the requests' pending rows already
+    include the rows being sampled (a step whose sampling the engine deferred), which min_tokens must not
+    count as generated."""
     # NaN propagates through max and +-inf shows in max/min: two cheap reductions instead of a [B, V] mask.
     hi, lo = torch.aminmax(logits, dim=-1)
     bad = ~(torch.isfinite(hi) & torch.isfinite(lo))
@@ -169,7 +171,7 @@ def sample_launch(logits: torch.Tensor, requests: list[Request], generator: torc
 
     _add_logit_bias(logits, requests)
     _penalize(logits, requests)
-    _suppress_stop_tokens(logits, requests)
+    _suppress_stop_tokens(logits, requests, own_pending)
     if bitmask is not None and bitmask[0]:
         apply_token_bitmask(logits, _on(bitmask[0], torch.int64, logits.device),
                             to_device_async(bitmask[1], logits.device))

@@ -11,6 +11,7 @@ import torch
 
 from nibble.engine.llm import LLM
 from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.structured_output import StructuredOutputsParams
 
 pytestmark = pytest.mark.skipif(os.environ.get("NIBBLE_TEST_GPU") != "1" or not torch.cuda.is_available(),
                                 reason="GPU test (NIBBLE_TEST_GPU=1 on a CUDA machine)")
@@ -62,6 +63,33 @@ def test_overlapped_decode_steps_do_not_sync() -> None:
         for _ in range(10):
             outs = engine.step()
             assert len(outs) == 8
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks.all_free()
+
+
+def test_deferred_sampling_steps_do_not_sync() -> None:
+    """With penalties and a grammar in the batch the next step's forward pass is still queued ahead (its
+    sampling deferred until the step before is handled), and nothing in that makes the host wait for the
+    GPU: penalty ids and bitmasks go through pinned memory."""
+    llm = LLM(device="cuda", max_model_len=512, extra={"num_kv_blocks": 512})
+    engine = llm.engine
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z ]{200}"))]
+    params += [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 5
+    for i, (p, sp) in enumerate(zip(_prompts(), params)):
+        engine.add_request(f"r{i}", p, sp)
+    for _ in range(4):
+        engine.step()
+    assert engine._inflight is not None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            assert len(engine.step()) == 8
     finally:
         torch.cuda.set_sync_debug_mode(0)
     while engine.has_unfinished_requests():
