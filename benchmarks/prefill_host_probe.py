@@ -117,7 +117,9 @@ def main() -> None:
         prof.runcall(engine.model, batch, caches)
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(80)
     (out / "prefill64_host.txt").write_text(text.getvalue())
     (out / "summary.json").write_text(json.dumps(results, indent=1))
 

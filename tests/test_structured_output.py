@@ -171,6 +171,47 @@ def test_allowed_tokens_extend_the_text_validly(llm: LLM) -> None:
         assert (t in allowed) == valid, (t, text)
 
 
+def test_compiled_grammars_are_reused_as_independent_copies(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar compiled once (the server's validating compile) is not compiled again for the engine's own
+    compile or later requests with the same constraint: each gets a fresh copy of the untouched matcher,
+    which advances on its own."""
+    import llguidance
+
+    tok = llm.get_tokenizer()
+    backend = llm.engine.structured_output_backend()
+    params = StructuredOutputsParams(choice=("north", "south", "east by west"), start_token_id=None)
+    first = backend.compile(params)
+    built: list[object] = []
+    real = llguidance.LLMatcher
+
+    class Counting:
+        """Stands in for the LLMatcher class: counts constructions, passes everything else through."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            built.append(args)
+            return real(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    second = backend.compile(params)
+    third = backend.compile(StructuredOutputsParams(choice=("north", "south", "east by west"),
+                                                    start_token_id=tok.token_to_id("</think>")))
+    assert built == [] and not third.started and second.started
+    for t in tok.encode("south"):
+        assert first.accept(t) in (None, "stopped")
+    # the copies did not move with the first matcher: each still allows the start of every choice
+    for state in (second, third):
+        state.started = True
+        mask = backend.fill_bitmask([state])[0]
+        for word in ("north", "south", "east"):
+            t = tok.encode(word)[0]
+            assert (int(mask[t // 32]) >> (t % 32)) & 1, word
+    other = backend.compile(StructuredOutputsParams(choice=("up", "down")))
+    assert len(built) == 1 and other.matcher is not None
+
+
 def test_bitmask_op_matches_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     for vocab, num_rows in ((1000, 5), (97, 3), (64, 2)):

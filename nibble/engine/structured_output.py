@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # A choice list is compiled into one regex; bound its size like the other per-request lists.
 MAX_CHOICES = 1024
+MAX_COMPILED = 128  # compiled grammars a GrammarBackend keeps
 _REGEX_META = re.compile(r"([\\.^$|?*+()\[\]{}\-/#&~\"])")
 
 
@@ -163,6 +165,7 @@ class GrammarBackend:
         self._lltok: Any = None
         self._executor: Any = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
 
     @property
     def num_words(self) -> int:
@@ -180,17 +183,32 @@ class GrammarBackend:
 
     def compile(self, params: StructuredOutputsParams) -> GrammarState:
         """Check `params` against the tokenizer and start a matcher. Raises StructuredOutputError naming the
-        field and quoting llguidance's reason."""
+        field and quoting llguidance's reason.
+
+        Compiled grammars are kept (the last MAX_COMPILED, by grammar text) and each request gets a copy of
+        the untouched matcher: the server's validating compile, the engine's compile of the same request
+        (on the engine thread, where a compile holds back every running request) and later requests with
+        the same schema or tools cost a copy (tens of µs) instead of a compile (milliseconds, more for large
+        tool lists)."""
         self.prepare()
         llg = _llguidance()
         source = grammar_source(params)
+        with self._lock:
+            base = self._compiled.get(source)
+            if base is not None:
+                self._compiled.move_to_end(source)
+                return GrammarState(base.deep_copy(), params.start_token_id)
         error = llg.LLMatcher.validate_grammar(source, self._lltok)
         if error:
             raise StructuredOutputError(f"{params.kind}: {error.strip()}")
         matcher = llg.LLMatcher(self._lltok, source, log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"{params.kind}: {matcher.get_error()}")
-        return GrammarState(matcher, params.start_token_id)
+        with self._lock:
+            self._compiled[source] = matcher
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+            return GrammarState(matcher.deep_copy(), params.start_token_id)
 
     def fill_bitmask(self, states: list[GrammarState]) -> torch.Tensor:
         """int32 [len(states), num_words] on the host (pinned when CUDA is there): row i = the tokens
