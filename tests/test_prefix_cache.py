@@ -50,7 +50,7 @@ def test_index_splits_where_prompts_were_shared_and_matches_leaving_a_token() ->
     index.splitting.add(d2[2])  # another request is already cut there
     assert index.split_point(d2, len(second), 0) is None
     index.remove_split(d2[2])
-    assert index.match(d2, len(second)) is None
+    assert index.match(d2, second) is None
     # an exact repeat splits at its last full block that leaves a token to compute
     assert index.split_point(d1, 48, 0) == 32
 
@@ -69,7 +69,7 @@ def test_blocks_are_shared_by_reference_and_evicted_least_recently_used_first() 
     other = Request("b", [*prompt[:16], 99, 98], GREEDY)
     entry = manager.match_prefix(other)
     assert entry is not None and entry.num_tokens == 12 and entry.block_ids == shared
-    manager.attach_prefix(other, entry)
+    assert manager.attach_prefix(other, entry) is None  # block-aligned: nothing to copy
     assert other.num_computed_tokens == 12 and other.block_ids == shared
     assert all(manager.ref_counts[b] == 3 for b in shared)
     manager.free(req)
@@ -185,3 +185,54 @@ def test_requests_for_one_prompt_at_once_are_not_all_cut() -> None:
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     assert [o.num_cached_tokens for o in llm.generate([prompts[1]], GREEDY)] == [last]
     assert not llm.engine.blocks.prefix.splitting  # type: ignore[union-attr]
+
+
+def test_an_ended_request_leaves_its_whole_text_for_the_next_turn(uncached: list[list[int]]) -> None:
+    """An agent loop: each prompt is the previous prompt, the previous answer and a little more. The ended
+    request's entry (prompt plus output, ending inside a block) hands the next turn everything but the new
+    tokens; outputs equal the engine's without caching, the partial block's KV copied into the new request."""
+    gen = torch.Generator().manual_seed(4)
+    llm = LLM(device="cpu", max_model_len=512)
+    plain = LLM(device="cpu", max_model_len=512, enable_prefix_caching=False)
+    prompt = _ids(SHARED, gen)
+    for _ in range(3):
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.outputs[0].token_ids == plain.generate([prompt], GREEDY)[0].outputs[0].token_ids
+        answer = out.outputs[0].token_ids
+        cached = out.num_cached_tokens
+        prompt = prompt + answer + _ids(7, gen)
+        # the last output token was sampled but never fed, so the entry ends one short of the answer
+        nxt = llm.generate([prompt], GREEDY)[0]
+        assert nxt.num_cached_tokens == len(prompt) - 7 - 1 and nxt.num_cached_tokens % BLOCK != 0
+        assert nxt.outputs[0].token_ids == plain.generate([prompt], GREEDY)[0].outputs[0].token_ids
+        assert cached <= nxt.num_cached_tokens
+    assert llm.engine.blocks.all_free()
+    # a continuation that differs inside the cached answer falls back to the longest block-aligned entry
+    fork = prompt[:SHARED + 3] + _ids(40, gen)
+    assert llm.generate([fork], GREEDY)[0].num_cached_tokens <= SHARED
+
+
+def test_ended_requests_entries_are_evicted_before_cut_ones() -> None:
+    manager = BlockManager(num_blocks=70, block_size=BLOCK, num_state_slots=4, prefix_caching=True)
+    gen = torch.Generator().manual_seed(5)
+    cut = Request("cut", _ids(300, gen), GREEDY)
+    done = Request("done", _ids(300, gen), GREEDY)
+    for req in (cut, done):
+        manager.begin_round()
+        assert manager.allocate_slot(req)
+        manager.allocate(req, 300)
+    cut.num_computed_tokens = 288
+    assert manager.add_prefix(cut) is not None
+    done.num_computed_tokens = 300
+    done.output_token_ids = []
+    manager.cache_finished(done)
+    manager.free(done)
+    assert done.state_slot is None and len(manager.prefix or ()) == 2
+    finished = [e for e in (manager.prefix or {}).entries.values() if e.finished]
+    assert len(finished) == 1 and finished[0].num_tokens == 300 and len(finished[0].tail) == 300 % BLOCK
+    manager.free(cut)
+    manager.begin_round()
+    # 70 blocks: 18 held by the cut entry, 19 by the ended request's: 32 free
+    assert manager.num_free_blocks == 69 - 18 - 19
+    assert manager.can_allocate(Request("x", _ids(600, gen), GREEDY), 600)  # needs 38: one eviction
+    assert [e.finished for e in (manager.prefix or {}).entries.values()] == [False]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from nibble.engine.prefix_cache import PrefixEntry, PrefixIndex
+from nibble.engine.prefix_cache import PrefixEntry, PrefixIndex, block_digests
 from nibble.engine.request import Request
 
 
@@ -119,18 +119,38 @@ class BlockManager:
         """The longest cached prefix of a request about to start (nothing computed yet), pinned to this round."""
         if self.prefix is None or request.num_computed_tokens or request.block_ids:
             return None
-        entry = self.prefix.match(request.block_digests(self.block_size), request.num_prompt_tokens)
+        entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids)
         if entry is not None:
             entry.round = self.round
         return entry
 
-    def attach_prefix(self, request: Request, entry: PrefixEntry) -> None:
-        """Start the request from a cached prefix: share its blocks, count its tokens as computed. The
-        caller copies the entry's state into the request's slot before the next forward pass."""
-        for b in entry.block_ids:
+    def can_attach(self, entry: PrefixEntry) -> bool:
+        """Whether a request can start from `entry`: one ending inside a block needs a free block (after
+        evicting other entries, if need be) for the request's copy of that block."""
+        if not entry.tail:
+            return True
+        while not self.free_blocks and self._evict_one():
+            pass
+        return bool(self.free_blocks)
+
+    def attach_prefix(self, request: Request, entry: PrefixEntry) -> tuple[int, int] | None:
+        """Start the request from a cached prefix (after `can_attach`): share its full blocks, count its
+        tokens as computed, and for an entry ending inside a block give the request a block of its own for
+        that block's KV. Returns that block copy (the entry's block, the request's), which the caller runs
+        before the next forward pass as it does the state copy into the request's slot; None if none."""
+        copy: tuple[int, int] | None = None
+        full = entry.block_ids[:entry.num_tokens // self.block_size]
+        for b in full:
             self.ref_counts[b] += 1
-        request.block_ids = list(entry.block_ids)
+        request.block_ids = list(full)
+        if entry.tail:
+            own = self.free_blocks.popleft()
+            self.ref_counts[own] = 1
+            request.block_ids.append(own)
+            copy = (entry.block_ids[-1], own)
         request.num_computed_tokens = entry.num_tokens
+        entry.finished = False  # it proved useful: evicted by recency like the others from now on
+        return copy
 
     def plan_split(self, request: Request) -> None:
         """Decide where a request starting now cuts its prefill for the prefix cache (request.cache_split_at)."""
@@ -156,7 +176,7 @@ class BlockManager:
         num_tokens = request.num_computed_tokens
         depth = num_tokens // self.block_size
         digest = request.block_digests(self.block_size)[depth - 1]
-        if digest in self.prefix.entries:
+        if self.prefix.has_aligned(digest):
             return None
         slot = self._take_slot()
         if slot is None:
@@ -167,8 +187,31 @@ class BlockManager:
         self.prefix.add(PrefixEntry(digest, num_tokens, blocks, slot, self.round))
         return request.state_slot, slot
 
+    def cache_finished(self, request: Request) -> None:
+        """Turn what an ending request computed (prompt and output, num_computed_tokens of them) into an
+        entry that takes over its blocks and state slot as they are; the request keeps the blocks past
+        them for `free`. Nothing when caching is off, the request is short, has no slot, or fed tokens the
+        host has not seen yet."""
+        num_tokens = request.num_computed_tokens
+        token_ids = request.prompt_token_ids + request.output_token_ids
+        if (self.prefix is None or request.state_slot is None or num_tokens < self.prefix.min_split_tokens
+                or num_tokens > len(token_ids)):
+            return
+        depth = num_tokens // self.block_size
+        digests = block_digests(token_ids[:depth * self.block_size], self.block_size,
+                                known=request.block_digests(self.block_size))
+        entry = PrefixEntry(digests[-1] if digests else b"", num_tokens, [], request.state_slot, self.round,
+                            tail=tuple(token_ids[depth * self.block_size:num_tokens]), finished=True)
+        if entry.key in self.prefix.entries:
+            return
+        held = -(-num_tokens // self.block_size)
+        entry.block_ids, request.block_ids = request.block_ids[:held], request.block_ids[held:]
+        request.state_slot = None
+        self.prefix.add(entry)
+
     def _evict_one(self) -> bool:
-        """Drop the least recently used entry not pinned to this round; False when there is none."""
+        """Drop an entry not pinned to this round (`PrefixIndex.evictable`: ended requests' unused entries
+        first, then the least recently used); False when there is none."""
         entry = self.prefix.evictable(self.round) if self.prefix else None
         if entry is None:
             return False

@@ -195,6 +195,8 @@ class ModelRunner:
         sampled."""
         if step.state_copies:
             self.caches.copy_state_slots(step.state_copies)
+        if step.block_copies:
+            self.caches.copy_kv_blocks(step.block_copies)
         if step.new_state_slots:
             self.caches.reset_state_slots(step.new_state_slots)
         num_seqs = step.num_seqs

@@ -21,6 +21,13 @@ to be worth it (`MIN_SPLIT_TOKENS`: short common openings such as a chat templat
 and only one running request is cut per prefix at a time (several requests for the same prompt at once,
 e.g. n > 1, would otherwise all pay for the same entry).
 
+A request that ends (stop, length, abort) also leaves an entry of everything it computed, prompt and
+output, at whatever length that is: it hands its blocks and its state slot over as they are, so this costs no
+copy. The next prompt of an agent loop or a completion that continues the text (the same tokens, then more)
+starts from there. Such an entry usually ends inside a block: its last, partial block is copied (KV only,
+`StepInputs.block_copies`) into the new request's own block, which it then fills on. Until one is used, these
+entries are evicted before the cut ones, least recently used first.
+
 An entry leaves at least one prompt token to compute (the sampler needs the last prompt token's logits).
 Entries are evicted least recently used when blocks or state slots run short, before any running request
 is preempted, and never in the scheduling round that created or used them (their copies are still to run).
@@ -35,32 +42,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def block_digests(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def block_digests(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
     """Chain digests of the full blocks: entry i identifies token_ids[:(i + 1) * block_size] (each block's
-    tokens hashed together with the digest of the blocks before it)."""
-    data = array("q", token_ids).tobytes()
+    tokens hashed together with the digest of the blocks before it). known: the digests of the first
+    blocks, already computed (e.g. the prompt's), which the chain continues from."""
+    out = list(known[:len(token_ids) // block_size])
+    start = len(out) * block_size
+    data = array("q", token_ids[start:len(token_ids) // block_size * block_size]).tobytes()
     step = 8 * block_size
-    out: list[bytes] = []
-    parent = b""
-    for i in range(len(token_ids) // block_size):
+    parent = out[-1] if out else b""
+    for i in range(len(data) // step):
         parent = hashlib.blake2b(data[i * step:(i + 1) * step], digest_size=16, key=parent).digest()
         out.append(parent)
     return out
 
 
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 256  # also the fewest tokens an ended request must have computed to leave an entry
 
 
 @dataclass
 class PrefixEntry:
-    """A cached prefix: its first num_tokens tokens (num_blocks full blocks) have their KV in `block_ids`
-    and their GDN state in `state_slot`. `round`: the scheduling round that last created or used it."""
+    """A cached prefix: its first num_tokens tokens have their KV in `block_ids` (the full blocks, then the
+    partial one holding `tail`, the tokens past the last full block) and their GDN state in `state_slot`.
+    digest: the chain digest of its full blocks (b"" for none); finished: left by an ended request and not
+    used yet (evicted first); round: the scheduling round that last created or used it."""
 
     digest: bytes
     num_tokens: int
     block_ids: list[int]
     state_slot: int
     round: int
+    tail: tuple[int, ...] = ()
+    finished: bool = False
+
+    @property
+    def key(self) -> tuple[bytes, tuple[int, ...]]:
+        return self.digest, self.tail
 
 
 class PrefixIndex:
@@ -70,35 +87,46 @@ class PrefixIndex:
         self.block_size = block_size
         self.max_seen = max_seen
         self.min_split_tokens = min_split_tokens
-        self.entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()
+        self.entries: OrderedDict[tuple[bytes, tuple[int, ...]], PrefixEntry] = OrderedDict()
+        self.tails: dict[bytes, set[tuple[int, ...]]] = {}
         self.seen: OrderedDict[bytes, None] = OrderedDict()
         self.splitting: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _max_depth(self, digests: list[bytes], num_tokens: int) -> int:
-        return min(len(digests), (num_tokens - 1) // self.block_size)
+    def has_aligned(self, digest: bytes) -> bool:
+        return (digest, ()) in self.entries
 
-    def match(self, digests: list[bytes], num_tokens: int) -> PrefixEntry | None:
-        """The longest entry that is a prefix of a prompt of num_tokens tokens (digests: its
-        `block_digests`) and leaves at least one of them to compute; marked most recently used."""
-        for depth in range(self._max_depth(digests, num_tokens), 0, -1):
-            entry = self.entries.get(digests[depth - 1])
+    def match(self, digests: list[bytes], token_ids: Sequence[int]) -> PrefixEntry | None:
+        """The longest entry whose tokens begin `token_ids` (digests: their `block_digests`) and leave at
+        least one of them to compute; marked most recently used."""
+        n = len(token_ids)
+        bs = self.block_size
+        for depth in range(min(len(digests), (n - 1) // bs), -1, -1):
+            digest = digests[depth - 1] if depth else b""
+            start = depth * bs
+            for tail in sorted(self.tails.get(digest, ()), key=len, reverse=True):
+                if start + len(tail) < n and tuple(token_ids[start:start + len(tail)]) == tail:
+                    return self._used(self.entries[digest, tail])
+            entry = self.entries.get((digest, ())) if depth else None
             if entry is not None:
-                self.entries.move_to_end(entry.digest)
-                return entry
+                return self._used(entry)
         return None
+
+    def _used(self, entry: PrefixEntry) -> PrefixEntry:
+        self.entries.move_to_end(entry.key)
+        return entry
 
     def split_point(self, digests: list[bytes], num_tokens: int, start: int) -> int | None:
         """The deepest block boundary past `start` (tokens already there) up to which an earlier prompt
         had the same tokens: where this prompt's state is worth keeping. None when that prefix adds fewer
         than min_split_tokens to `start`, is already cached, or another running request is cut there."""
         lowest = (start + self.min_split_tokens - 1) // self.block_size
-        for depth in range(self._max_depth(digests, num_tokens), lowest, -1):
+        for depth in range(min(len(digests), (num_tokens - 1) // self.block_size), lowest, -1):
             d = digests[depth - 1]
             if d in self.seen:
-                return None if d in self.entries or d in self.splitting else depth * self.block_size
+                return None if self.has_aligned(d) or d in self.splitting else depth * self.block_size
         return None
 
     def record(self, digests: list[bytes]) -> None:
@@ -110,22 +138,38 @@ class PrefixIndex:
             self.seen.popitem(last=False)
 
     def add(self, entry: PrefixEntry) -> None:
-        self.entries[entry.digest] = entry
+        self.entries[entry.key] = entry
+        if entry.tail:
+            self.tails.setdefault(entry.digest, set()).add(entry.tail)
 
     def remove_split(self, digest: bytes) -> None:
         self.splitting.discard(digest)
 
     def evictable(self, current_round: int) -> PrefixEntry | None:
-        """The least recently used entry not created or used in `current_round`."""
-        return next((e for e in self.entries.values() if e.round != current_round), None)
+        """The entry to evict: the least recently used finished one never used since, else the least
+        recently used one; never one created or used in `current_round`."""
+        fallback = None
+        for e in self.entries.values():
+            if e.round == current_round:
+                continue
+            if e.finished:
+                return e
+            fallback = fallback or e
+        return fallback
 
     def remove(self, entry: PrefixEntry) -> None:
-        del self.entries[entry.digest]
+        del self.entries[entry.key]
+        if entry.tail:
+            tails = self.tails[entry.digest]
+            tails.discard(entry.tail)
+            if not tails:
+                del self.tails[entry.digest]
 
     def clear(self) -> list[PrefixEntry]:
         """Forget everything; returns the entries (whose blocks and slot the caller releases)."""
         out = list(self.entries.values())
         self.entries.clear()
+        self.tails.clear()
         self.seen.clear()
         self.splitting.clear()
         return out

@@ -9,7 +9,8 @@ back to the front of the waiting queue, to be recomputed later (its generated to
 With prefix caching (prefix_cache.py) a new request starts from the longest cached prefix of its prompt:
 its state slot is filled by a copy instead of being zeroed, and its prefill starts after the prefix. A
 prompt that shares blocks with an earlier prompt has its prefill cut at the end of the shared part, and
-the round after the cut copies its state into a new entry.
+the round after the cut copies its state into a new entry. A request that ends leaves its blocks and state
+to an entry of everything it computed.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from nibble.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledBatch:
     """What one step runs: requests with the number of tokens each feeds, and before it the GDN state
-    copies (source slot, destination slot) and then the slots to zero."""
+    copies (source slot, destination slot), the KV block copies (source block, destination block) and
+    then the slots to zero."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     new_state_slots: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -63,6 +66,8 @@ class Scheduler:
         in flight for it are dropped."""
         request.status = status
         request.pending_rows.clear()
+        if status != RequestStatus.FINISHED_ERROR:
+            self.blocks.cache_finished(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -100,8 +105,9 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, out: ScheduledBatch) -> bool:
         """Start a waiting request (from its longest cached prefix, if any); False if it does not fit."""
         entry = self.blocks.match_prefix(req)
-        if entry is not None:
-            self.blocks.attach_prefix(req, entry)
+        if entry is not None and not self.blocks.can_attach(entry):
+            entry = None
+        block_copy = self.blocks.attach_prefix(req, entry) if entry is not None else None
         first = req.num_preemptions == 0
         prefix = self.blocks.prefix
         if prefix is not None and first:
@@ -119,6 +125,8 @@ class Scheduler:
             self.num_prefix_hit_tokens += req.num_computed_tokens
         if entry is not None:
             out.state_copies.append((entry.state_slot, req.state_slot))
+            if block_copy is not None:
+                out.block_copies.append(block_copy)
         else:
             out.new_state_slots.append(req.state_slot)
         self.blocks.allocate(req, n)

@@ -1,13 +1,15 @@
 """The host-side description of one engine step, independent of `Request` objects so that tensor-parallel
 rank 0 can send it to the other ranks: which tokens each sequence feeds, where its KV blocks and GDN slot
-are, which GDN states to copy and which slots to zero first (in that order), and which rows to sample.
+are, which GDN states and KV blocks to copy and which slots to zero first (in that order), and which rows
+to sample.
 Positions, slot mapping and cu_seqlens follow from these on every rank (`ForwardBatch.build`), so they are
 not sent.
 
 On the wire a step is one int32 tensor:
-[num_seqs, num_new_slots, num_sample_rows, num_state_copies, query_lens (num_seqs), context_lens
- (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows, state copies
- (source, destination pairs), token ids (all sequences), block ids (all sequences)].
+[num_seqs, num_new_slots, num_sample_rows, num_state_copies, num_block_copies, query_lens (num_seqs),
+ context_lens (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows,
+ state copies and block copies (source, destination pairs), token ids (all sequences), block ids (all
+ sequences)].
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StepInputs:
     new_state_slots: list[int]
     sample_rows: list[int]
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -57,17 +60,19 @@ class StepInputs:
             sample_rows=[i for i, (r, n) in enumerate(zip(reqs, sched.num_new_tokens))
                          if r.num_computed_tokens + n == r.num_tokens],
             state_copies=list(sched.state_copies),
+            block_copies=list(sched.block_copies),
         )
 
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
         n = self.num_seqs
-        head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies)]
+        head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies)]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
                      (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
-                     self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.token_ids),
-                     chain.from_iterable(self.block_tables))
-        count = 4 + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
+                     self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.block_copies),
+                     chain.from_iterable(self.token_ids), chain.from_iterable(self.block_tables))
+        count = (5 + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
+                 + 2 * len(self.block_copies))
         count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
         # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
         return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
@@ -75,8 +80,8 @@ class StepInputs:
     @classmethod
     def unpack(cls, message: torch.Tensor) -> StepInputs:
         v = message.numpy().tolist()
-        n, n_new, n_sample, n_copies = v[0], v[1], v[2], v[3]
-        pos = 4
+        n, n_new, n_sample, n_copies, n_block_copies = v[0], v[1], v[2], v[3], v[4]
+        pos = 5
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -87,6 +92,7 @@ class StepInputs:
         query_lens, context_lens, table_lens, state_slots = take(n), take(n), take(n), take(n)
         new_state_slots, sample_rows = take(n_new), take(n_sample)
         copies = take(2 * n_copies)
+        block_copies = take(2 * n_block_copies)
         tokens = take(sum(query_lens))
         blocks = take(sum(table_lens))
         tok_cu = [0, *accumulate(query_lens)]
@@ -99,4 +105,5 @@ class StepInputs:
             new_state_slots=new_state_slots,
             sample_rows=sample_rows,
             state_copies=list(zip(copies[::2], copies[1::2])),
+            block_copies=list(zip(block_copies[::2], block_copies[1::2])),
         )

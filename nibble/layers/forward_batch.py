@@ -169,6 +169,22 @@ class ModelCaches:
             st.conv.index_copy_(0, idx[1], st.conv.index_select(0, idx[0]))
             st.ssm.index_copy_(0, idx[1], st.ssm.index_select(0, idx[0]))
 
+    def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of whole blocks, every full-attention layer, for each (source, destination) pair; no
+        destination may be another pair's source."""
+        if not pairs:
+            return
+        idx = None
+        for cache in self.kv:
+            if cache is None:
+                continue
+            if idx is None:
+                idx = to_device_async(torch.tensor(pairs, dtype=torch.long).t().contiguous(), cache.k.device)
+            for t in (cache.k, cache.v):
+                # byte view: index_copy has no float8 kernels
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                raw.index_copy_(0, idx[1], raw.index_select(0, idx[0]))
+
     def reset_state_slots(self, slots: list[int] | torch.Tensor) -> None:
         """Zero the GDN states of freshly assigned slots."""
         if isinstance(slots, list):

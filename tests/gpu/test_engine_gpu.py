@@ -192,3 +192,24 @@ def test_prefix_cache_hits_match_full_prefill_on_gpu() -> None:
         lb = [t.logprob for t in b.outputs[0].logprobs or []][:8]
         assert la == pytest.approx(lb, abs=0.05)
     assert llm.engine.blocks.all_free()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_next_turn_continues_from_the_ended_request_on_gpu(kv_cache_dtype: str) -> None:
+    """An ended request's entry (prompt and output, ending inside a block): the next turn gets its state and a
+    copy of its partial block's K/V (a byte copy, FP8 caches too) and gives the tokens of the full prefill."""
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 990, (300,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    args = {"device": "cuda", "max_model_len": 512, "kv_cache_dtype": kv_cache_dtype, "extra": {"num_kv_blocks": 256}}
+    llm = LLM(**args)
+    first = llm.generate([prompt], params)[0]
+    turn = prompt + first.outputs[0].token_ids + [11, 12, 13]
+    hit = llm.generate([turn], params)[0]
+    assert hit.num_cached_tokens == len(turn) - 4
+    del llm
+    full = LLM(enable_prefix_caching=False, **args).generate([turn], params)[0]
+    assert hit.outputs[0].token_ids[:8] == full.outputs[0].token_ids[:8]
+    la = [t.logprob for t in hit.outputs[0].logprobs or []][:8]
+    lb = [t.logprob for t in full.outputs[0].logprobs or []][:8]
+    assert la == pytest.approx(lb, abs=0.05)

@@ -11,6 +11,7 @@ def test_pack_unpack_round_trip() -> None:
         StepInputs([[1]] * 3, [4, 5, 6], [[7, 8]] * 3, [1, 2, 3], [], [0, 1, 2]),
         StepInputs([list(range(40))], [100], [list(range(35))], [7], [7], []),
         StepInputs([[3, 4], [9]], [64, 7], [[1, 2, 5, 6, 8], [4]], [3, 5], [5], [0, 1], [(9, 3), (3, 10)]),
+        StepInputs([[3]], [70], [[1, 2, 5]], [3], [], [0], [(9, 3)], [(12, 5), (7, 6)]),
     ]
     for step in steps:
         message = step.pack()

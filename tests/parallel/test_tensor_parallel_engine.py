@@ -79,8 +79,9 @@ def test_engine_tp2_matches_single_process(expert_parallel: bool, checkpoints: d
 
 
 def test_prefix_cache_state_copies_reach_every_rank(checkpoints: dict[str, Path]) -> None:
-    """Requests starting from a cached prefix under tensor parallelism: the GDN state copies travel in the
-    step inputs to rank 1 as well, so the generations equal the single-process engine's without caching."""
+    """Requests starting from a cached prefix under tensor parallelism: the GDN state and KV block copies
+    travel in the step inputs to rank 1 as well, so the generations equal the single-process engine's
+    without caching."""
     model = str(checkpoints["fp32"])
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 250, (20,), generator=gen).tolist()
@@ -95,6 +96,11 @@ def test_prefix_cache_state_copies_reach_every_rank(checkpoints: dict[str, Path]
         outs = [llm.generate([p], params)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert [o.num_cached_tokens for o in outs] == [0, 0, 20, 20]
+        # the next turn continues the last one: its entry ends inside a block, whose KV is copied on both ranks
+        turn = prompts[-1] + expected[-1] + [5, 6]
+        out = llm.generate([turn], params)[0]
+        assert out.num_cached_tokens == len(turn) - 3
+        assert out.outputs[0].token_ids == plain.generate([turn], params)[0].outputs[0].token_ids
         assert llm.engine.blocks.all_free()
     finally:
         llm.engine.shutdown()
