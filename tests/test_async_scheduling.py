@@ -183,3 +183,32 @@ def test_pending_tokens_in_token_slice_and_runner_inputs() -> None:
     assert _pending_inputs([5, 6], None, torch.device("cpu")) == ([5, 6], None)
     with pytest.raises(RuntimeError, match="no step is in flight"):
         _pending_inputs([PENDING_BASE], None, torch.device("cpu"))
+
+
+def test_a_failed_deferred_sampling_still_delivers_the_outputs_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deferred sampling of the queued step fails after the step before it has been handled (one request
+    finished there): that request's final output is still returned, and the next call raises."""
+    from nibble.engine import llm_engine
+
+    llm = LLM(device="cpu", max_model_len=256)
+    engine = llm.engine
+    a, b = _prompts([9, 14], seed=3)
+    engine.add_request("a", a, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, repetition_penalty=1.2))
+    engine.add_request("b", b, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                              repetition_penalty=1.2))
+    real = llm_engine.sample_launch
+
+    def failing(*args, own_pending=0, **kwargs):  # type: ignore[no-untyped-def]
+        if own_pending and "a" not in engine.requests:  # "a" has ended and its output was built
+            raise RuntimeError("injected sampling failure")
+        return real(*args, own_pending=own_pending, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "sample_launch", failing)
+    finished = {}
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(finished["a"].outputs[0].token_ids) == 4 and "b" not in finished
+    assert engine._inflight is None and not engine.requests["b"].pending_rows
+    engine.abort_request("b")
+    assert engine.blocks.all_free()

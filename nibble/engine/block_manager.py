@@ -161,6 +161,15 @@ class BlockManager:
         if split is not None:
             self.prefix.splitting.add(digests[split // self.block_size - 1])
 
+    def awaits_cut(self, request: Request) -> bool:
+        """Whether a waiting request (never started) should wait for a running request's cut: the prefix it
+        shares with earlier prompts is about to become an entry."""
+        if self.prefix is None or not self.prefix.splitting or request.num_computed_tokens or request.num_preemptions:
+            return False
+        digests = request.block_digests(self.block_size)
+        entry = self.prefix.match(digests, request.prompt_token_ids, touch=False)
+        return self.prefix.awaits_split(digests, request.num_prompt_tokens, entry.num_tokens if entry else 0)
+
     def drop_split(self, request: Request) -> None:
         """Forget a request's cut (reached, or the request stopped or was preempted first)."""
         split = request.cache_split_at
@@ -190,12 +199,12 @@ class BlockManager:
     def cache_finished(self, request: Request) -> None:
         """Turn what an ending request computed (prompt and output, num_computed_tokens of them) into an
         entry that takes over its blocks and state slot as they are; the request keeps the blocks past
-        them for `free`. Nothing when caching is off, the request is short, has no slot, or fed tokens the
-        host has not seen yet."""
+        them for `free`. Nothing when caching is off, the request is short, has no slot, fed tokens the
+        host has not seen yet, or was in a step that failed."""
         num_tokens = request.num_computed_tokens
         token_ids = request.prompt_token_ids + request.output_token_ids
-        if (self.prefix is None or request.state_slot is None or num_tokens < self.prefix.min_split_tokens
-                or num_tokens > len(token_ids)):
+        if (self.prefix is None or not request.cacheable or request.state_slot is None
+                or num_tokens < self.prefix.min_split_tokens or num_tokens > len(token_ids)):
             return
         depth = num_tokens // self.block_size
         digests = block_digests(token_ids[:depth * self.block_size], self.block_size,

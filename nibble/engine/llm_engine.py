@@ -125,6 +125,7 @@ class LLMEngine:
                                           | set(self.generation_defaults.eos_token_ids or ())
                                           | set(self.tokenizer.eos_token_ids if self.tokenizer else ())))
         self._inflight: _Launched | None = None
+        self._step_error: Exception | None = None
         self._grammars = (GrammarBackend(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
                           if self.tokenizer is not None else None)
         self.num_steps = 0
@@ -272,6 +273,9 @@ class LLMEngine:
         """Run one scheduled batch; returns an output for each request that advanced or finished. With
         overlapped scheduling the outputs are those of the step queued by the previous call, and this call
         leaves the next step running on the device."""
+        if self._step_error is not None:
+            error, self._step_error = self._step_error, None
+            raise error
         try:
             cur = self._inflight or self._launch(None)
             self._inflight = None
@@ -280,14 +284,28 @@ class LLMEngine:
             if self._can_overlap():
                 self._inflight = self._launch(cur, defer_sampling=self._needs_host_tokens())
             outputs = self._finish_step(cur)
-            if self._inflight is not None and self._inflight.logits is not None:
-                self._sample_deferred(self._inflight)
-            return outputs
         except BaseException:
-            self._inflight = None
-            for req in self.requests.values():
-                req.pending_rows.clear()
+            self._abandon_steps()
             raise
+        if self._inflight is not None and self._inflight.logits is not None:
+            try:
+                self._sample_deferred(self._inflight)
+            except Exception as exc:
+                # cur's outputs (final ones among them) are out of the engine's books already: deliver them,
+                # and fail the next call instead
+                self._abandon_steps()
+                self._step_error = exc
+        return outputs
+
+    def _abandon_steps(self) -> None:
+        """After a step failed: forget the step in flight and every pending token, and keep nothing of this
+        state for the prefix cache (a failed step may have left caches half updated, or entries whose state
+        copies never ran)."""
+        self._inflight = None
+        for req in self.requests.values():
+            req.pending_rows.clear()
+            req.cacheable = False
+        self.blocks.clear_prefix_cache()
 
     def _can_overlap(self) -> bool:
         """Whether to queue the next step before this one's tokens are seen: only when it will be a pure

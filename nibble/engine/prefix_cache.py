@@ -18,8 +18,9 @@ skips those tokens.
 
 A cut costs the request an extra prefill step, so a prompt is cut only where the shared part is long enough
 to be worth it (`MIN_SPLIT_TOKENS`: short common openings such as a chat template's first tokens are not),
-and only one running request is cut per prefix at a time (several requests for the same prompt at once,
-e.g. n > 1, would otherwise all pay for the same entry).
+and only one running request is cut per prefix at a time. The others that share that prefix (a burst of
+requests with one system prompt, n > 1) wait in the queue until its entry exists instead of computing the
+prefix once more each; they then start from it.
 
 A request that ends (stop, length, abort) also leaves an entry of everything it computed, prompt and
 output, at whatever length that is: it hands its blocks and its state slot over as they are, so this costs no
@@ -98,9 +99,9 @@ class PrefixIndex:
     def has_aligned(self, digest: bytes) -> bool:
         return (digest, ()) in self.entries
 
-    def match(self, digests: list[bytes], token_ids: Sequence[int]) -> PrefixEntry | None:
+    def match(self, digests: list[bytes], token_ids: Sequence[int], touch: bool = True) -> PrefixEntry | None:
         """The longest entry whose tokens begin `token_ids` (digests: their `block_digests`) and leave at
-        least one of them to compute; marked most recently used."""
+        least one of them to compute; marked most recently used unless touch is False."""
         n = len(token_ids)
         bs = self.block_size
         for depth in range(min(len(digests), (n - 1) // bs), -1, -1):
@@ -108,26 +109,41 @@ class PrefixIndex:
             start = depth * bs
             for tail in sorted(self.tails.get(digest, ()), key=len, reverse=True):
                 if start + len(tail) < n and tuple(token_ids[start:start + len(tail)]) == tail:
-                    return self._used(self.entries[digest, tail])
+                    return self._used(self.entries[digest, tail], touch)
             entry = self.entries.get((digest, ())) if depth else None
             if entry is not None:
-                return self._used(entry)
+                return self._used(entry, touch)
         return None
 
-    def _used(self, entry: PrefixEntry) -> PrefixEntry:
-        self.entries.move_to_end(entry.key)
+    def _used(self, entry: PrefixEntry, touch: bool) -> PrefixEntry:
+        if touch:
+            self.entries.move_to_end(entry.key)
         return entry
+
+    def _deepest_shared(self, digests: list[bytes], num_tokens: int, start: int) -> int | None:
+        """The deepest full-block depth, at least min_split_tokens past `start` and leaving a token to
+        compute, whose digest an earlier prompt had; None if there is none."""
+        lowest = (start + self.min_split_tokens - 1) // self.block_size
+        for depth in range(min(len(digests), (num_tokens - 1) // self.block_size), lowest, -1):
+            if digests[depth - 1] in self.seen:
+                return depth
+        return None
 
     def split_point(self, digests: list[bytes], num_tokens: int, start: int) -> int | None:
         """The deepest block boundary past `start` (tokens already there) up to which an earlier prompt
         had the same tokens: where this prompt's state is worth keeping. None when that prefix adds fewer
         than min_split_tokens to `start`, is already cached, or another running request is cut there."""
-        lowest = (start + self.min_split_tokens - 1) // self.block_size
-        for depth in range(min(len(digests), (num_tokens - 1) // self.block_size), lowest, -1):
-            d = digests[depth - 1]
-            if d in self.seen:
-                return None if self.has_aligned(d) or d in self.splitting else depth * self.block_size
-        return None
+        depth = self._deepest_shared(digests, num_tokens, start)
+        if depth is None:
+            return None
+        d = digests[depth - 1]
+        return None if self.has_aligned(d) or d in self.splitting else depth * self.block_size
+
+    def awaits_split(self, digests: list[bytes], num_tokens: int, start: int) -> bool:
+        """Whether the prefix this prompt shares with earlier ones (as `split_point` finds it) is being cut
+        for by a running request: waiting for that entry beats computing the prefix once more."""
+        depth = self._deepest_shared(digests, num_tokens, start)
+        return depth is not None and digests[depth - 1] in self.splitting
 
     def record(self, digests: list[bytes]) -> None:
         """Remember a prompt's blocks (the oldest records go first beyond max_seen)."""

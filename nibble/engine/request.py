@@ -48,7 +48,8 @@ class Request:
 
     Prefix caching (prefix_cache.py): `num_cached_tokens` is how many prompt tokens came from a cached
     prefix instead of being computed; `cache_split_at`, where this prompt's prefill stops for its state to
-    be cached (a block boundary that an earlier prompt shared), until the copy is taken.
+    be cached (a block boundary that an earlier prompt shared), until the copy is taken; `cacheable`, false
+    once a failed step may have left its caches half updated.
 
     With overlapped scheduling a step may be scheduled before the host has seen the token the step before
     it sampled: `pending_rows` holds, per such token (oldest first), its row in that step's sampled tokens.
@@ -76,6 +77,7 @@ class Request:
     grammar: GrammarState | None = None
     num_cached_tokens: int = 0
     cache_split_at: int | None = None
+    cacheable: bool = True
     _block_digests: list[bytes] | None = field(default=None, repr=False)
 
     @property

@@ -9,8 +9,8 @@ back to the front of the waiting queue, to be recomputed later (its generated to
 With prefix caching (prefix_cache.py) a new request starts from the longest cached prefix of its prompt:
 its state slot is filled by a copy instead of being zeroed, and its prefill starts after the prefix. A
 prompt that shares blocks with an earlier prompt has its prefill cut at the end of the shared part, and
-the round after the cut copies its state into a new entry. A request that ends leaves its blocks and state
-to an entry of everything it computed.
+the round after the cut copies its state into a new entry; new requests sharing that prefix wait for it. A
+request that ends leaves its blocks and state to an entry of everything it computed.
 """
 
 from __future__ import annotations
@@ -170,10 +170,14 @@ class Scheduler:
             out.num_new_tokens.append(n)
             scheduled.add(req.request_id)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
+            if self.blocks.awaits_cut(req):
+                i += 1  # starts from the cached prefix once the request being cut there gets that far
+                continue
             if not self._admit(req, budget, out):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             budget -= out.num_new_tokens[-1]
         return out

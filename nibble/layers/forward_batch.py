@@ -105,6 +105,21 @@ class ForwardBatch:
         )
 
 
+def _ordered_batches(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(source, destination) copies cut into runs that can each be done as one gather and one scatter with
+    the effect of doing them in order: a run ends before a pair that reads an earlier pair's destination
+    (a prefix-cache entry made in the same step as a request that starts from it)."""
+    runs: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in pairs:
+        if not runs or src in written or dst in written:
+            runs.append([])
+            written = set()
+        runs[-1].append((src, dst))
+        written.add(dst)
+    return runs
+
+
 def _packed(parts: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """parts as views of one device buffer of `dtype`, each starting 32 bytes after an aligned start."""
     align = 32 // dtype.itemsize
@@ -156,34 +171,32 @@ class ModelCaches:
     gdn: list[GDNState | None]
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy GDN states (conv and recurrent) from slot to slot, for each (source, destination) pair;
-        no destination may be another pair's source."""
-        if not pairs:
-            return
-        idx = None
-        for st in self.gdn:
-            if st is None:
-                continue
-            if idx is None:
-                idx = to_device_async(torch.tensor(pairs, dtype=torch.long).t().contiguous(), st.conv.device)
-            st.conv.index_copy_(0, idx[1], st.conv.index_select(0, idx[0]))
-            st.ssm.index_copy_(0, idx[1], st.ssm.index_select(0, idx[0]))
+        """Copy GDN states (conv and recurrent) from slot to slot, for each (source, destination) pair, with
+        the effect of copying them one after the other (a pair may read what an earlier one wrote)."""
+        for batch in _ordered_batches(pairs):
+            idx = None
+            for st in self.gdn:
+                if st is None:
+                    continue
+                if idx is None:
+                    idx = to_device_async(torch.tensor(batch, dtype=torch.long).t().contiguous(), st.conv.device)
+                st.conv.index_copy_(0, idx[1], st.conv.index_select(0, idx[0]))
+                st.ssm.index_copy_(0, idx[1], st.ssm.index_select(0, idx[0]))
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy the K/V of whole blocks, every full-attention layer, for each (source, destination) pair; no
-        destination may be another pair's source."""
-        if not pairs:
-            return
-        idx = None
-        for cache in self.kv:
-            if cache is None:
-                continue
-            if idx is None:
-                idx = to_device_async(torch.tensor(pairs, dtype=torch.long).t().contiguous(), cache.k.device)
-            for t in (cache.k, cache.v):
-                # byte view: index_copy has no float8 kernels
-                raw = t.view(torch.uint8) if t.element_size() == 1 else t
-                raw.index_copy_(0, idx[1], raw.index_select(0, idx[0]))
+        """Copy the K/V of whole blocks, every full-attention layer, for each (source, destination) pair, one
+        pair after the other as `copy_state_slots` does."""
+        for batch in _ordered_batches(pairs):
+            idx = None
+            for cache in self.kv:
+                if cache is None:
+                    continue
+                if idx is None:
+                    idx = to_device_async(torch.tensor(batch, dtype=torch.long).t().contiguous(), cache.k.device)
+                for t in (cache.k, cache.v):
+                    # byte view: index_copy has no float8 kernels
+                    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                    raw.index_copy_(0, idx[1], raw.index_select(0, idx[0]))
 
     def reset_state_slots(self, slots: list[int] | torch.Tensor) -> None:
         """Zero the GDN states of freshly assigned slots."""
