@@ -45,7 +45,9 @@ class BlockManager:
         if not self.prefix:
             return 0
         refs: dict[int, int] = {}
-        for entry in self.prefix.entries.values():
+        # stats() reads this from the server's thread while the engine thread changes the entries: list()
+        # takes the values in one go (an entry's block list never changes once it is in the index)
+        for entry in list(self.prefix.entries.values()):
             for b in entry.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return sum(self.ref_counts[b] == n for b, n in refs.items())
