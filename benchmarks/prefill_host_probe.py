@@ -10,15 +10,13 @@ model's GDN shapes, both ways; and a cProfile of the L = 64 prefill with fla.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
-import io
 import json
-import pstats
 import time
 from pathlib import Path
 
 import torch
+from profile_decode import host_profile
 from torch.profiler import ProfilerActivity, profile
 
 from nibble.engine.config import EngineConfig
@@ -112,15 +110,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     prompt = torch.randint(0, vocab, (64,)).tolist()
     batch = ForwardBatch.build([prompt], [0], [list(range(1, 5))], [1], bs, engine.device)
-    prof = cProfile.Profile()
     with torch.inference_mode():
-        prof.runcall(engine.model, batch, caches)
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(60)
-    stats.sort_stats("cumulative").print_stats(80)
-    (out / "prefill64_host.txt").write_text(text.getvalue())
+        text = host_profile(engine.model, batch, caches, top_own=60, top_cumulative=80)
+    (out / "prefill64_host.txt").write_text(text)
     (out / "summary.json").write_text(json.dumps(results, indent=1))
 
 

@@ -28,6 +28,19 @@ from nibble.engine.sampling_params import SamplingParams
 from nibble.layers.forward_batch import ForwardBatch
 
 
+def host_profile(fn, *args, top_own: int, top_cumulative: int) -> str:
+    """cProfile of one call of fn(*args) (the device synchronised after it): the top functions by own time,
+    then by cumulative time."""
+    prof = cProfile.Profile()
+    prof.runcall(fn, *args)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top_own)
+    stats.sort_stats("cumulative").print_stats(top_cumulative)
+    return text.getvalue()
+
+
 def _graph_ms(engine: LLMEngine, bs: int, iters: int = 50) -> float:
     graphs = engine.runner.graphs
     assert graphs is not None
@@ -154,15 +167,9 @@ def main() -> None:
     print(f"prefill wall, best of 3: {summary['prefill_ms_host_offsets']:.1f} ms with host offsets, "
           f"{summary['prefill_ms_device_offsets']:.1f} ms without")
     # the host side of one prefill, by Python function (cProfile slows each call down, so the shares count)
-    prof = cProfile.Profile()
-    prof.runcall(prefill)
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(35)
-    stats.sort_stats("cumulative").print_stats(45)
-    (out / "prefill_host.txt").write_text(text.getvalue())
-    print(text.getvalue())
+    text = host_profile(prefill, top_own=35, top_cumulative=45)
+    (out / "prefill_host.txt").write_text(text)
+    print(text)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -67,7 +67,10 @@ class BlockManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the blocks for num_new_tokens more tokens are free, evicting cached prefixes if needed."""
-        need = self.blocks_needed(request, num_new_tokens)
+        return self._free_blocks_for(self.blocks_needed(request, num_new_tokens))
+
+    def _free_blocks_for(self, need: int) -> bool:
+        """Whether `need` blocks are free, evicting cached prefixes until they are (or none is left)."""
         while need > len(self.free_blocks) and self._evict_one():
             pass
         return need <= len(self.free_blocks)
@@ -129,11 +132,7 @@ class BlockManager:
     def can_attach(self, entry: PrefixEntry) -> bool:
         """Whether a request can start from `entry`: one ending inside a block needs a free block (after
         evicting other entries, if need be) for the request's copy of that block."""
-        if not entry.tail:
-            return True
-        while not self.free_blocks and self._evict_one():
-            pass
-        return bool(self.free_blocks)
+        return not entry.tail or self._free_blocks_for(1)
 
     def attach_prefix(self, request: Request, entry: PrefixEntry) -> tuple[int, int] | None:
         """Start the request from a cached prefix (after `can_attach`): share its full blocks, count its
@@ -204,10 +203,11 @@ class BlockManager:
         them for `free`. Nothing when caching is off, the request is short, has no slot, fed tokens the
         host has not seen yet, or was in a step that failed."""
         num_tokens = request.num_computed_tokens
-        token_ids = request.prompt_token_ids + request.output_token_ids
         if (self.prefix is None or not request.cacheable or request.state_slot is None
-                or num_tokens < self.prefix.min_split_tokens or num_tokens > len(token_ids)):
+                or num_tokens < self.prefix.min_split_tokens
+                or num_tokens > request.num_prompt_tokens + request.num_output_tokens):
             return
+        token_ids = request.prompt_token_ids + request.output_token_ids
         depth = num_tokens // self.block_size
         digests = block_digests(token_ids[:depth * self.block_size], self.block_size,
                                 known=request.block_digests(self.block_size))

@@ -139,7 +139,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         self.blocks.begin_round()
-        if self.blocks.prefix is not None:
+        if self.blocks.prefix is not None and self.blocks.prefix.splitting:  # a cut is under way
             self._take_cache_points(out)
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()

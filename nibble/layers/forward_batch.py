@@ -120,6 +120,19 @@ def _ordered_batches(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]
     return runs
 
 
+def _copy_rows(tensors: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """tensors[k][dst] = tensors[k][src] for each (src, dst) pair, in order (`_ordered_batches`): one gather
+    and one scatter per tensor and run, the indices sent to the device once per run."""
+    if not tensors:
+        return
+    for run in _ordered_batches(pairs):
+        idx = to_device_async(torch.tensor(run, dtype=torch.long).t().contiguous(), tensors[0].device)
+        for t in tensors:
+            # byte view for 1-byte types: index_copy has no float8 kernels
+            raw = t.view(torch.uint8) if t.element_size() == 1 else t
+            raw.index_copy_(0, idx[1], raw.index_select(0, idx[0]))
+
+
 def _packed(parts: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """parts as views of one device buffer of `dtype`, each starting 32 bytes after an aligned start."""
     align = 32 // dtype.itemsize
@@ -173,30 +186,12 @@ class ModelCaches:
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy GDN states (conv and recurrent) from slot to slot, for each (source, destination) pair, with
         the effect of copying them one after the other (a pair may read what an earlier one wrote)."""
-        for batch in _ordered_batches(pairs):
-            idx = None
-            for st in self.gdn:
-                if st is None:
-                    continue
-                if idx is None:
-                    idx = to_device_async(torch.tensor(batch, dtype=torch.long).t().contiguous(), st.conv.device)
-                st.conv.index_copy_(0, idx[1], st.conv.index_select(0, idx[0]))
-                st.ssm.index_copy_(0, idx[1], st.ssm.index_select(0, idx[0]))
+        _copy_rows([t for st in self.gdn if st is not None for t in (st.conv, st.ssm)], pairs)
 
     def copy_kv_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks, every full-attention layer, for each (source, destination) pair, one
         pair after the other as `copy_state_slots` does."""
-        for batch in _ordered_batches(pairs):
-            idx = None
-            for cache in self.kv:
-                if cache is None:
-                    continue
-                if idx is None:
-                    idx = to_device_async(torch.tensor(batch, dtype=torch.long).t().contiguous(), cache.k.device)
-                for t in (cache.k, cache.v):
-                    # byte view: index_copy has no float8 kernels
-                    raw = t.view(torch.uint8) if t.element_size() == 1 else t
-                    raw.index_copy_(0, idx[1], raw.index_select(0, idx[0]))
+        _copy_rows([t for c in self.kv if c is not None for t in (c.k, c.v)], pairs)
 
     def reset_state_slots(self, slots: list[int] | torch.Tensor) -> None:
         """Zero the GDN states of freshly assigned slots."""
