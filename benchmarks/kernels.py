@@ -40,7 +40,7 @@ from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_route import route
 from nibble.kernels.norm import rms_norm
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref
-from nibble.kernels.paged_attention import paged_attention
+from nibble.kernels.paged_attention import paged_attention, paged_attention_launch
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -52,6 +52,7 @@ ATTN = {"hq": 32, "hk": 2, "d": 256}
 GDN = {"hk": 16, "hv": 64, "dk": 128, "dv": 128, "conv": 2 * 16 * 128 + 64 * 128, "width": 4}
 DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL = (2048, 8192)
+VERIFY = {"batch": (1, 8, 32), "ctx": (1024, 16384), "n": 3}  # speculative decoding: last token + 2 drafts
 
 
 class Bench:
@@ -298,6 +299,30 @@ def bench_attention(b: Bench, model: str, full: bool) -> None:
             del kc, vc
 
 
+def bench_verify(b: Bench, model: str) -> None:
+    """Paged attention of a verify step: n query tokens per sequence over its cached context, split-KV;
+    the baseline is the same launch with the KV range unsplit, as verify steps ran before."""
+    hq, hk, d = ATTN["hq"], ATTN["hk"], ATTN["d"]
+    page, n = 16, VERIFY["n"]
+    for kv_dtype in (BF16, torch.float8_e4m3fn):
+        esize = 1 if kv_dtype == torch.float8_e4m3fn else 2
+        tag = "fp8" if esize == 1 else "bf16"
+        for bs in VERIFY["batch"]:
+            for ctx in VERIFY["ctx"]:
+                nb = -(-(ctx + n) // page)
+                kc = torch.randn(bs * nb, page, hk, d, device=DEV).to(kv_dtype)
+                vc = torch.randn(bs * nb, page, hk, d, device=DEV).to(kv_dtype)
+                table = torch.randperm(bs * nb, device=DEV).to(torch.int32).view(bs, nb)
+                q = torch.randn(bs * n, hq, d, device=DEV, dtype=BF16)
+                cu = torch.arange(0, bs * n + 1, n, dtype=torch.int32, device=DEV)
+                lens = torch.full((bs,), ctx + n, dtype=torch.int32, device=DEV)
+                args = (q, kc, vc, cu, lens, table, d ** -0.5, 1.0, 1.0, n, ctx + n)
+                b.case(model, "paged_attention", f"verify n={n} {tag} ctx={ctx}", bs * n, "triton",
+                       partial(paged_attention, *args), nbytes=2 * bs * (ctx + n) * hk * d * esize,
+                       baseline=partial(paged_attention_launch, *args, num_splits=1))
+                del kc, vc
+
+
 def bench_gdn(b: Bench, model: str, full: bool) -> None:
     hk, hv, dk, dv = GDN["hk"], GDN["hv"], GDN["dk"], GDN["dv"]
     ch, width = GDN["conv"], GDN["width"]
@@ -439,6 +464,7 @@ def main() -> None:
             bench_moe(b, model, decode + prefill, paths=not args.quick, with_baseline=True)
         bench_linear(b, models[0], decode + prefill)
         bench_attention(b, models[0], args.full)
+        bench_verify(b, models[0])
         bench_gdn(b, models[0], args.full)
         bench_norm(b, models[0], (1, 256, 8192))
     result["records"] = b.records

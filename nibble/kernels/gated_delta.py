@@ -1,5 +1,6 @@
 """Gated delta rule (the recurrence of Gated DeltaNet) over a varlen batch, with states kept in a slot
-pool and updated in place; and its decode step with the layer's gating (gdn_gating.py) fused in."""
+pool and updated in place; its decode step with the layer's gating (gdn_gating.py) fused in; and the
+speculative-verify step, which leaves the state after each token in a slot of its own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels.conv1d import check_spec_slots
 from nibble.kernels.gdn_gating import _softplus, gdn_gating_ref
 from nibble.kernels.host_copy import to_device_async
 
@@ -48,13 +50,15 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 @triton.jit
 def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, cu_ptr,
-                          slots_ptr, out_ptr, dk, dv, rep, scale, stride_qt, stride_qh, stride_kt, stride_kh,
-                          stride_vt, stride_vh, stride_gt, stride_bt, stride_s0, stride_s1, stride_s2, stride_ot,
-                          stride_oh, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATING: tl.constexpr,
-                          ONE_TOKEN: tl.constexpr):
+                          slots_ptr, spec_ptr, n_spec, out_ptr, dk, dv, rep, scale, stride_qt, stride_qh, stride_kt,
+                          stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_s0, stride_s1, stride_s2,
+                          stride_ot, stride_oh, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATING: tl.constexpr,
+                          ONE_TOKEN: tl.constexpr, SPEC: tl.constexpr):
     # GATING: g_ptr / beta_ptr hold the projection's raw a / b columns, turned into g and beta here exactly as
     # _gdn_gating_kernel does (beta rounded to b's dtype as it would be stored); ONE_TOKEN: sequence i is
-    # token i (decode), cu_ptr is not read
+    # token i (decode), cu_ptr is not read; SPEC: sequence i is tokens i*n_spec .. i*n_spec+n_spec-1 (verify),
+    # cu_ptr is not read, the state after token t goes to slot spec_ptr[t] and the start slot is not written.
+    # spec_ptr / n_spec are read only under SPEC.
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // rep
@@ -63,14 +67,19 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bi
     kmask = offs_k < dk
     vmask = offs_v < dv
     slot = tl.load(slots_ptr + seq).to(tl.int64)
-    s_ptrs = (state_ptr + slot * stride_s0 + hv * stride_s1 + offs_k[:, None] * stride_s2
-              + offs_v[None, :])
+    tile = hv * stride_s1 + offs_k[:, None] * stride_s2 + offs_v[None, :]
+    s_ptrs = state_ptr + slot * stride_s0 + tile
     smask = kmask[:, None] & vmask[None, :]
-    # the state tile stays in registers across the sequence's tokens and is written back once
+    # the state tile stays in registers across the sequence's tokens and is written back once. A snapshot
+    # store into the start slot is safe: each stored column depends, through kv, on every element of that
+    # column loaded here.
     state = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     if ONE_TOKEN:
         start = seq.to(tl.int64)
         end = start + 1
+    elif SPEC:
+        start = seq.to(tl.int64) * n_spec
+        end = start + n_spec
     else:
         start = tl.load(cu_ptr + seq).to(tl.int64)
         end = tl.load(cu_ptr + seq + 1).to(tl.int64)
@@ -94,7 +103,11 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bi
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + t64 * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=vmask)
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask)
+        if SPEC:
+            snap = tl.load(spec_ptr + t64).to(tl.int64)
+            tl.store(state_ptr + snap * stride_s0 + tile, state.to(state_ptr.dtype.element_ty), mask=smask)
+    if not SPEC:
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -138,16 +151,22 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _launch_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       neg_a: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                      state_slots: torch.Tensor, out: torch.Tensor, gating: bool, one_token: bool) -> None:
+                      state_slots: torch.Tensor, out: torch.Tensor, gating: bool, one_token: bool,
+                      spec_slots: torch.Tensor | None = None) -> None:
+    """spec_slots: contiguous int32 [B, n] for the verify step (SPEC), else None."""
     hk, dk = q.shape[1:]
     hv, dv = v.shape[1:]
     block_k = next_pow2(dk)
     block_v = max(1, min(next_pow2(dv), 4096 // block_k, 32))
+    spec = spec_slots is not None
+    # outside SPEC the kernel reads neither: state_slots stands in for the pointer
+    spec_ptr, n_spec = (spec_slots, spec_slots.shape[1]) if spec else (state_slots, 1)
     _gdn_recurrent_kernel[(state_slots.shape[0], hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, neg_a, dt_bias, ssm_state, cu_seqlens, state_slots, out, dk, dv, hv // hk, dk ** -0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), out.stride(0),
-        out.stride(1), BLOCK_K=block_k, BLOCK_V=block_v, GATING=gating, ONE_TOKEN=one_token, num_warps=4)
+        q, k, v, g, beta, neg_a, dt_bias, ssm_state, cu_seqlens, state_slots, spec_ptr, n_spec, out, dk, dv,
+        hv // hk, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), out.stride(0),
+        out.stride(1), BLOCK_K=block_k, BLOCK_V=block_v, GATING=gating, ONE_TOKEN=one_token, SPEC=spec,
+        num_warps=4)
 
 
 def gated_delta_rule_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -163,6 +182,21 @@ def gated_delta_rule_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, cu, state_slots, cu_seqlens_cpu=list(range(num + 1)))
 
 
+def _check_gating(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                  state_slots: torch.Tensor) -> None:
+    """`_check` for the ops with the gating fused in (a and b in place of g and beta)."""
+    if neg_A.shape != (a.shape[-1],) or dt_bias.shape != neg_A.shape or neg_A.dtype != torch.float32 \
+            or dt_bias.dtype != torch.float32:
+        raise ValueError(f"{op}: neg_A {tuple(neg_A.shape)} {neg_A.dtype} / dt_bias "
+                         f"{tuple(dt_bias.shape)} {dt_bias.dtype} must be fp32 [{a.shape[-1]}]")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"{op}: the last dim of a and b must be contiguous")
+    _check(q, k, v, a, b, ssm_state, None, state_slots)
+    if neg_A.device != q.device or dt_bias.device != q.device:
+        raise ValueError(f"{op}: tensors on different devices")
+
+
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                             neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
                             state_slots: torch.Tensor) -> torch.Tensor:
@@ -172,20 +206,57 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     if q.shape[0] != num or a.shape != (num, v.shape[1]) or b.shape != a.shape:
         raise ValueError(f"gated_delta_rule_decode: one token per sequence expected: q {tuple(q.shape)}, "
                          f"a {tuple(a.shape)}, b {tuple(b.shape)}, {num} state slots")
-    if neg_A.shape != (a.shape[1],) or dt_bias.shape != neg_A.shape or neg_A.dtype != torch.float32 \
-            or dt_bias.dtype != torch.float32:
-        raise ValueError(f"gated_delta_rule_decode: neg_A {tuple(neg_A.shape)} {neg_A.dtype} / dt_bias "
-                         f"{tuple(dt_bias.shape)} {dt_bias.dtype} must be fp32 [{a.shape[1]}]")
-    if a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError("gated_delta_rule_decode: the last dim of a and b must be contiguous")
-    _check(q, k, v, a, b, ssm_state, None, state_slots)
-    if neg_A.device != q.device or dt_bias.device != q.device:
-        raise ValueError("gated_delta_rule_decode: tensors on different devices")
+    _check_gating("gated_delta_rule_decode", q, k, v, a, b, neg_A, dt_bias, ssm_state, state_slots)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if num:
         # ONE_TOKEN never reads the offsets: state_slots stands in for the pointer
         _launch_recurrent(q, k, v, a, b, neg_A.contiguous(), dt_bias.contiguous(), ssm_state, state_slots,
                           state_slots, out, gating=True, one_token=True)
+    return out
+
+
+def gated_delta_rule_spec_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                              neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                              state_slots: torch.Tensor, spec_slots: torch.Tensor) -> torch.Tensor:
+    """The speculative-verify step of Gated DeltaNet: every sequence has n tokens (its last sampled token
+    and n-1 drafts). q, k: [B*n, Hk, Dk]; v: [B*n, Hv, Dv]; a, b: [B*n, Hv] (any row stride); neg_A,
+    dt_bias: fp32 [Hv]; ssm_state: fp32 [num_slots, Hv, Dk, Dv]; state_slots: int32 [B]; spec_slots: int32
+    [B, n].
+
+    Sequence i owns tokens i*n .. i*n+n-1, starts from ssm_state[state_slots[i]] and leaves the state after
+    its j-th token in ssm_state[spec_slots[i, j]] (the state cannot be rewound: the engine keeps the
+    snapshot of the accepted drafts): `gated_delta_rule_decode_ref` token by token. ssm_state[state_slots[i]]
+    is written only where spec_slots lists it. Returns o [B*n, Hv, Dv] in v's dtype.
+    """
+    num, n = spec_slots.shape
+    # the running states, one per sequence, apart from the pool: their own slots are not to be written
+    work = ssm_state.index_select(0, state_slots.long())
+    rows = torch.arange(num, dtype=torch.int32, device=q.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for j in range(n):
+        out[j::n] = gated_delta_rule_decode_ref(q[j::n], k[j::n], v[j::n], a[j::n], b[j::n], neg_A, dt_bias, work,
+                                                rows)
+        ssm_state[spec_slots[:, j].long()] = work
+    return out
+
+
+def gated_delta_rule_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          neg_A: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                          state_slots: torch.Tensor, spec_slots: torch.Tensor) -> torch.Tensor:
+    """Triton `gated_delta_rule_spec_ref`: the recurrent kernel with the gating fused (as in
+    `gated_delta_rule_decode`), each program running its sequence's n tokens and storing its state tile
+    after each of them into that token's snapshot slot."""
+    op = "gated_delta_rule_spec"
+    t = q.shape[0]
+    check_spec_slots(op, t, state_slots, spec_slots)
+    if v.dim() != 3 or a.shape != (t, v.shape[1]) or b.shape != a.shape:
+        raise ValueError(f"{op}: a {tuple(a.shape)} and b {tuple(b.shape)} must be [{t}, Hv] for v [{t}, Hv, Dv], "
+                         f"got v {tuple(v.shape)}")
+    _check_gating(op, q, k, v, a, b, neg_A, dt_bias, ssm_state, state_slots)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if t:
+        _launch_recurrent(q, k, v, a, b, neg_A.contiguous(), dt_bias.contiguous(), ssm_state, state_slots,
+                          state_slots, out, gating=True, one_token=False, spec_slots=spec_slots.contiguous())
     return out
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
-from nibble.kernels.conv1d import causal_conv1d_ref
-from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref
+from nibble.kernels.conv1d import causal_conv1d_ref, causal_conv1d_spec_ref
+from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref, gated_delta_rule_spec_ref
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import fused_moe_ref, route_ref
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
@@ -22,8 +22,9 @@ from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
 from nibble.kernels.rope import rope_ref
 
 OP_NAMES = ("rms_norm", "rms_norm_moe", "qk_rms_norm", "gated_rms_norm", "rope", "store_kv", "paged_attention",
-            "sigmoid_mul", "causal_conv1d", "gdn_gating", "gated_delta_rule", "gated_delta_rule_decode", "route",
-            "fused_moe", "silu_and_mul", "moe_combine", "nvfp4_linear")
+            "sigmoid_mul", "causal_conv1d", "causal_conv1d_spec", "gdn_gating", "gated_delta_rule",
+            "gated_delta_rule_decode", "gated_delta_rule_spec", "route", "fused_moe", "silu_and_mul", "moe_combine",
+            "nvfp4_linear")
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class KernelSet:
     paged_attention: Callable[..., Any]     # attention.paged_attention_ref
     sigmoid_mul: Callable[..., Any]         # activation.sigmoid_mul_ref
     causal_conv1d: Callable[..., Any]       # conv1d.causal_conv1d_ref
+    causal_conv1d_spec: Callable[..., Any]  # conv1d.causal_conv1d_spec_ref
     gdn_gating: Callable[..., Any]          # gdn_gating.gdn_gating_ref
     gated_delta_rule: Callable[..., Any]    # gated_delta.gated_delta_rule_ref
     gated_delta_rule_decode: Callable[..., Any]  # gated_delta.gated_delta_rule_decode_ref
+    gated_delta_rule_spec: Callable[..., Any]    # gated_delta.gated_delta_rule_spec_ref
     route: Callable[..., Any]               # moe.route_ref
     fused_moe: Callable[..., Any]           # moe.fused_moe_ref
     silu_and_mul: Callable[..., Any]        # activation.silu_and_mul_ref
@@ -59,9 +62,11 @@ class KernelSet:
             paged_attention=paged_attention_ref,
             sigmoid_mul=sigmoid_mul_ref,
             causal_conv1d=causal_conv1d_ref,
+            causal_conv1d_spec=causal_conv1d_spec_ref,
             gdn_gating=gdn_gating_ref,
             gated_delta_rule=gated_delta_rule_ref,
             gated_delta_rule_decode=gated_delta_rule_decode_ref,
+            gated_delta_rule_spec=gated_delta_rule_spec_ref,
             route=route_ref,
             fused_moe=fused_moe_ref,
             silu_and_mul=silu_and_mul_ref,

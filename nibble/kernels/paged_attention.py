@@ -6,8 +6,10 @@ heads of one KV head (GQA packing: the rows of its tiles are (token, head-in-gro
 tile is read once per group and the dots have 16+ rows even for one decode token. K/V tiles are gathered
 through the block table (any power-of-two page size), scores use an online softmax in fp32 (exp2 with the
 scale folded in), FP8 caches are converted in registers and their scales applied to scores and output.
-Long decode contexts are split over several programs (split-KV) whose partial outputs and log-sum-exps a
-second kernel merges.
+Steps with few query tokens per sequence (decode, and the verify step of speculative decoding: the last
+token plus a few drafts) split long contexts over several programs (split-KV) whose partial outputs and
+log-sum-exps a second kernel merges; each program covers all of a sequence's query tokens (up to BLOCK_Q
+of them) and group heads for one KV chunk, so a verify step reads its context once, like a decode step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from nibble.kernels._triton import cdiv, dot_precision, e4m3_to_f32, fp8_native,
 from nibble.kernels.tuning_tables import lookup
 
 LOG2E = 1.4426950408889634
+# Split-KV serves steps whose longest query has at most this many tokens. Beyond it a step is a prefill
+# with enough query blocks to fill the GPU, and the fp32 partial outputs ([T, Hq, splits, D]) would grow
+# with T for nothing. Steps of 2..SPLIT_MAX_QUERY_LEN tokens (verify) take their tile from the table's
+# `verify_*` fields (`verify_fp8_*` for FP8 caches, whose tiles hold twice the keys in the same bytes):
+# the split kernel is bound by reading K/V like decode, but with decode's tile rows times the query tokens.
+SPLIT_MAX_QUERY_LEN = 16
+_VERIFY_FIELDS = ("rows", "block_n", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -166,10 +175,11 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seq
 
 
 def num_decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                      min_chunk: int, max_splits: int) -> int:
-    """Split-KV factor for a decode step: enough programs to fill the GPU twice over, each split still
-    covering at least `min_chunk` keys."""
-    want = cdiv(2 * sm_count(device), max(1, num_seqs * num_kv_heads))
+                      min_chunk: int, max_splits: int, q_blocks: int = 1) -> int:
+    """Split-KV factor for a decode or verify step of `num_seqs * q_blocks * num_kv_heads` programs per
+    split: enough programs to fill the GPU twice over, each split still covering at least `min_chunk` keys
+    of the longest context. Host ints only, so that a captured step's grid is fixed."""
+    want = cdiv(2 * sm_count(device), max(1, num_seqs * q_blocks * num_kv_heads))
     return int(max(1, min(want, cdiv(max(1, max_seq_len), min_chunk), max_splits)))
 
 
@@ -177,7 +187,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0, max_query_len: int = 0, max_seq_len: int = 0) -> torch.Tensor:
     """Triton `paged_attention_ref`. max_query_len / max_seq_len are host ints (0 = unknown: computed
-    with a device sync); decode is max_query_len == 1."""
+    with a device sync); decode is max_query_len == 1, up to SPLIT_MAX_QUERY_LEN the KV range may be split.
+    The launch grid depends on these two ints, the shapes and the device alone, so a CUDA graph captured
+    with max_seq_len = the model's longest context serves every shorter one."""
     return paged_attention_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, k_scale,
                                   v_scale, max_query_len, max_seq_len)
 
@@ -187,8 +199,12 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: float = 1.0, v_scale: float = 1.0, max_query_len: int = 0,
                            max_seq_len: int = 0, *, num_splits: int | None = None,
                            config: dict | None = None) -> torch.Tensor:
-    """`paged_attention` with the split count (decode only) and tuning fields overridable (tests,
-    benchmarks)."""
+    """`paged_attention` with the split count (any query length) and tuning fields overridable (tests,
+    benchmarks); a verify step's tile is the `verify_*` (`verify_fp8_*`) fields, so override those there.
+
+    q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; cu_seqlens_q: int32 [B+1]; seq_lens: int32 [B];
+    block_table: int32 [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
+    """
     _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
     t, hq, hd = q.shape
     b = seq_lens.shape[0]
@@ -201,22 +217,27 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seq_len <= 0:
         max_seq_len = int(seq_lens.max())
-    decode = max_query_len == 1
+    split_kv = max_query_len <= SPLIT_MAX_QUERY_LEN
     g_pad = next_pow2(group)
     block_d = next_pow2(hd)
-    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": decode, "group": group})
+    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": max_query_len == 1, "group": group})
     cfg.update(config or {})
-    if decode:
-        block_q = 1
-        g_pad = max(g_pad, 16)
-        splits = num_splits or num_decode_splits(q.device, b, hk, max_seq_len, cfg["min_chunk"],
-                                                 cfg["max_splits"])
-    else:
-        block_q = max(1, cfg["rows"] // g_pad)
-        g_pad = max(g_pad, cdiv(16, block_q))
-        splits = 1
-    n_qblk = cdiv(max_query_len, block_q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if split_kv and max_query_len > 1:
+        prefix = "verify_fp8_" if kv_fp8 else "verify_"
+        cfg.update({f: cfg[prefix + f] for f in _VERIFY_FIELDS})
+    block_q = max(1, cfg["rows"] // g_pad)
+    if split_kv:
+        # no padding tokens beyond the longest query (decode: one token, its group padded to 16 rows)
+        block_q = min(block_q, next_pow2(max_query_len))
+    g_pad = max(g_pad, cdiv(16, block_q))
+    n_qblk = cdiv(max_query_len, block_q)
+    if num_splits:
+        splits = num_splits
+    elif split_kv:
+        splits = num_decode_splits(q.device, b, hk, max_seq_len, cfg["min_chunk"], cfg["max_splits"], n_qblk)
+    else:
+        splits = 1
     native = fp8_native(q.device)
     kc = k_cache.view(torch.uint8) if kv_fp8 and not native else k_cache
     vc = v_cache.view(torch.uint8) if kv_fp8 and not native else v_cache

@@ -123,6 +123,7 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
                                 "attention:paged_attention_ref"),
         "sigmoid_mul": pair("activation:sigmoid_mul", "activation:sigmoid_mul_ref"),
         "causal_conv1d": pair("conv1d:causal_conv1d", "conv1d:causal_conv1d_ref"),
+        "causal_conv1d_spec": pair("conv1d:causal_conv1d_spec", "conv1d:causal_conv1d_spec_ref"),
         "gdn_gating": pair("gdn_gating:gdn_gating", "gdn_gating:gdn_gating_ref"),
         "gated_delta_rule": (
             Backend("fla", k + "gated_delta:gated_delta_rule_fla", fla_check),
@@ -131,6 +132,7 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
         ),
         "gated_delta_rule_decode": pair("gated_delta:gated_delta_rule_decode",
                                         "gated_delta:gated_delta_rule_decode_ref"),
+        "gated_delta_rule_spec": pair("gated_delta:gated_delta_rule_spec", "gated_delta:gated_delta_rule_spec_ref"),
         "route": pair("moe_route:route", "moe:route_ref"),
         "fused_moe": (
             Backend("triton", k + "fused_moe:fused_moe", triton_check),

@@ -18,11 +18,12 @@ import torch
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
-from nibble.kernels.conv1d import causal_conv1d_ref
+from nibble.kernels.conv1d import causal_conv1d_ref, causal_conv1d_spec_ref
 from nibble.kernels.gated_delta import (
     RECURRENT_MAX_TOKENS,
     gated_delta_rule_decode_ref,
     gated_delta_rule_ref,
+    gated_delta_rule_spec_ref,
 )
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
@@ -301,6 +302,48 @@ def test_causal_conv1d(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
+# A verify step of 2 sequences of 3 tokens each: starting slots, then one snapshot slot per token. The first
+# sequence's first snapshot goes to its own starting slot, which must be read before it is overwritten.
+SPEC_STATE_SLOTS = [4, 1]
+SPEC_SLOTS = [[4, 6, 0], [2, 7, 8]]
+SPEC_POOL = 10
+
+
+def _spec_pool(ctx: SelfTestContext, *shape: int, dtype: torch.dtype | None = None, scale: float = 1.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(state pool [SPEC_POOL, *shape] with the snapshot slots that no sequence starts from filled with NaN,
+    state_slots int32 [2], spec_slots int32 [2, 3])."""
+    pool = ctx.randn(SPEC_POOL, *shape, dtype=dtype, scale=scale)
+    poisoned = sorted({s for row in SPEC_SLOTS for s in row} - set(SPEC_STATE_SLOTS))
+    pool[poisoned] = float("nan")
+    ints = {"dtype": torch.int32, "device": ctx.device}
+    return pool, torch.tensor(SPEC_STATE_SLOTS, **ints), torch.tensor(SPEC_SLOTS, **ints)
+
+
+def _spec_state_err(name: str, pool: torch.Tensor, pool_ref: torch.Tensor, before: torch.Tensor, tol: float
+                    ) -> float:
+    """The snapshot slots against the reference's; every other slot must be left as it was, bit for bit."""
+    written = sorted({s for row in SPEC_SLOTS for s in row})
+    others = [i for i in range(SPEC_POOL) if i not in written]
+    if not torch.equal(pool[others], before[others]):
+        raise SelfTestFailure(f"{name}: wrote outside the snapshot slots")
+    return rel_err(f"{name} snapshots", pool[written], pool_ref[written], tol)
+
+
+def test_causal_conv1d_spec(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    ch, width, hv = c.linear_conv_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads
+    state, slots, spec = _spec_pool(ctx, width - 1, ch)
+    t = spec.numel()
+    # x as the model sees it: the first columns of the fused in_proj output
+    x = ctx.randn(t, ch + c.linear_value_dim + 2 * hv)[:, :ch]
+    w = ctx.randn(ch, width, scale=0.5)
+    before, state_ref = state.clone(), state.clone()
+    out = _call(fn, ctx.device, [((t, ch), ctx.dtype)], x, w, state, slots, spec)
+    ref = causal_conv1d_spec_ref(x, w, state_ref, slots, spec)
+    return max(rel_err("out", out, ref, ctx.tol), _spec_state_err("conv_state", state, state_ref, before, ctx.tol))
+
+
 def test_gdn_gating(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     hv = c.linear_num_value_heads
@@ -361,6 +404,26 @@ def test_gated_delta_rule_decode(fn: Callable, ctx: SelfTestContext) -> float:
     ref = gated_delta_rule_decode_ref(q, k, v, a, bb, neg_a, dt_bias, state_ref, slots)
     out = _call(fn, ctx.device, [((b, hv, dv), ctx.dtype)], q, k, v, a, bb, neg_a, dt_bias, state, slots)
     return max(rel_err("out", out, ref, ctx.tol), rel_err("ssm_state", state, state_ref, ctx.tol))
+
+
+def test_gated_delta_rule_spec(fn: Callable, ctx: SelfTestContext) -> float:
+    c = ctx.config
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    state, slots, spec = _spec_pool(ctx, hv, dk, dv, dtype=torch.float32, scale=0.1)
+    t = spec.numel()
+    # q, k, v as the model sees them: head views of the conv output; a and b strided columns of in_proj's
+    mixed = ctx.randn(t, 2 * hk * dk + hv * dv)
+    q = mixed[:, :hk * dk].view(t, hk, dk)
+    k = mixed[:, hk * dk:2 * hk * dk].view(t, hk, dk)
+    v = mixed[:, 2 * hk * dk:].view(t, hv, dv)
+    proj = ctx.randn(t, 2 * hv + 5, scale=4.0)
+    bb, a = proj[:, :hv], proj[:, hv:2 * hv]
+    neg_a = -(ctx.rand(hv) * 15.0 + 1.0)
+    dt_bias = ctx.randn(hv, dtype=torch.float32)
+    before, state_ref = state.clone(), state.clone()
+    out = _call(fn, ctx.device, [((t, hv, dv), ctx.dtype)], q, k, v, a, bb, neg_a, dt_bias, state, slots, spec)
+    ref = gated_delta_rule_spec_ref(q, k, v, a, bb, neg_a, dt_bias, state_ref, slots, spec)
+    return max(rel_err("out", out, ref, ctx.tol), _spec_state_err("ssm_state", state, state_ref, before, ctx.tol))
 
 
 def test_route(fn: Callable, ctx: SelfTestContext) -> float:
@@ -441,9 +504,11 @@ SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "paged_attention": test_paged_attention,
     "sigmoid_mul": test_sigmoid_mul,
     "causal_conv1d": test_causal_conv1d,
+    "causal_conv1d_spec": test_causal_conv1d_spec,
     "gdn_gating": test_gdn_gating,
     "gated_delta_rule": test_gated_delta_rule,
     "gated_delta_rule_decode": test_gated_delta_rule_decode,
+    "gated_delta_rule_spec": test_gated_delta_rule_spec,
     "route": test_route,
     "fused_moe": test_fused_moe,
     "silu_and_mul": test_silu_and_mul,

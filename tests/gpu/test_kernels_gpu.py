@@ -28,7 +28,12 @@ from nibble.kernels.activation import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_ref,
 )
-from nibble.kernels.conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
+from nibble.kernels.conv1d import (  # noqa: E402
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_spec,
+    causal_conv1d_spec_ref,
+)
 from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
 from nibble.kernels.gated_delta import (  # noqa: E402
     FLA_CHUNK,
@@ -38,6 +43,8 @@ from nibble.kernels.gated_delta import (  # noqa: E402
     gated_delta_rule_fla,
     gated_delta_rule_recurrent,
     gated_delta_rule_ref,
+    gated_delta_rule_spec,
+    gated_delta_rule_spec_ref,
 )
 from nibble.kernels.gdn_gating import gdn_gating, gdn_gating_ref  # noqa: E402
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref  # noqa: E402
@@ -259,6 +266,64 @@ def test_gated_delta_decode_with_fused_gating(name: str) -> None:
     ref = gated_delta_rule_decode_ref(q, k, v, a, bb, neg_a, dt_bias, s_ref, slots)
     assert torch.equal(out, two) and torch.equal(state, s_two)
     assert rel(out, ref) < TOL and rel(state, s_ref) < TOL
+
+
+def _spec_slots(b: int, n: int, num: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(state_slots [b], spec_slots [b, n], the slots neither lists): distinct random slots of a pool of num,
+    sequence 0's first snapshot in its own starting slot."""
+    perm = torch.randperm(num, device=DEV)
+    state, spec = perm[:b], perm[b:b + b * n].view(b, n).clone()
+    spec[0, 0] = state[0]
+    listed = set(spec.flatten().tolist())
+    return state.to(torch.int32), spec.to(torch.int32), [i for i in range(num) if i not in listed]
+
+
+@pytest.mark.parametrize("n", [2, 4, 9])
+def test_gated_delta_spec_verify_step(n: int) -> None:
+    """The verify step on the real layer shapes (122B; the 397B's GDN heads are the same): the fp32 reference
+    within tolerance, output and every snapshot; n decode steps of the Triton decode kernel with the state
+    copied out after each, up to rounding; the slots not listed as snapshots untouched."""
+    c = config("122B")
+    b, hv = 5, c.linear_num_value_heads
+    q, k, v, _, _ = _gdn_inputs(c, b * n)
+    proj = torch.randn(b * n, 2 * hv + 8, device=DEV, dtype=BF16) * 8
+    bb, a = proj[:, :hv], proj[:, hv + 8:]
+    neg_a = -(torch.rand(hv, device=DEV) * 15 + 1)
+    dt_bias = torch.randn(hv, device=DEV)
+    num = b * (n + 1) + 3
+    state_slots, spec_slots, others = _spec_slots(b, n, num)
+    before = torch.randn(num, hv, c.linear_key_head_dim, c.linear_value_head_dim, device=DEV) * 0.1
+    state, s_ref, work, steps = before.clone(), before.clone(), before.clone(), before.clone()
+    out = gated_delta_rule_spec(q, k, v, a, bb, neg_a, dt_bias, state, state_slots, spec_slots)
+    ref = gated_delta_rule_spec_ref(q, k, v, a, bb, neg_a, dt_bias, s_ref, state_slots, spec_slots)
+    dec = torch.empty_like(out)
+    for j in range(n):
+        dec[j::n] = gated_delta_rule_decode(q[j::n], k[j::n], v[j::n], a[j::n], bb[j::n], neg_a, dt_bias, work,
+                                            state_slots)
+        steps[spec_slots[:, j].long()] = work[state_slots.long()]
+    written = spec_slots.flatten().long()
+    assert torch.equal(state[others], before[others])
+    assert rel(out, ref) < TOL and rel(state[written], s_ref[written]) < TOL
+    # the same arithmetic compiled into another loop: equal up to rounding (bf16 outputs, fp32 states)
+    assert rel(out, dec) < 1e-2 and rel(state[written], steps[written]) < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 4, 9])
+def test_conv1d_spec_verify_step(n: int) -> None:
+    """The verify step's conv on the 122B shapes, x a column slice of the fused projection: output within
+    tolerance of the fp32 reference, the snapshots exact (they are the inputs, moved), other slots untouched."""
+    c = config("122B")
+    ch, w, b = c.linear_conv_dim, c.linear_conv_kernel_dim, 6
+    x = torch.randn(b * n, ch + c.linear_value_dim + 2 * c.linear_num_value_heads, device=DEV, dtype=BF16)[:, :ch]
+    wt = torch.randn(ch, w, device=DEV, dtype=BF16) * 0.5
+    num = b * (n + 1) + 3
+    state_slots, spec_slots, others = _spec_slots(b, n, num)
+    before = torch.randn(num, w - 1, ch, device=DEV, dtype=BF16)
+    state, st_ref = before.clone(), before.float()
+    out = causal_conv1d_spec(x, wt, state, state_slots, spec_slots)
+    ref = causal_conv1d_spec_ref(x.float(), wt.float(), st_ref, state_slots, spec_slots)
+    assert rel(out, ref) < TOL
+    assert torch.equal(state.float(), st_ref) and torch.equal(state[others], before[others])
 
 
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 0, 200], [3, 128, 129, 7]])

@@ -1,5 +1,8 @@
 """store_kv and paged attention (Triton, interpreter, fp32 and FP8 caches) against the references:
-prefill with a cached prefix, decode with split-KV, shuffled block tables, odd lengths, GQA."""
+prefill with a cached prefix, decode and speculative-decoding verify steps (a few query tokens per
+sequence) with split-KV, shuffled block tables, odd lengths, GQA. Cache slots that no sequence owns hold
+NaN, so a read of any of them shows in the output. (The interpreter computes bf16 on raw bits, so bf16 runs
+only in the GPU tests.)"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 from kernel_testing import cu, poisoned, rel_err
 
+from nibble.kernels import paged_attention as pa
 from nibble.kernels.attention import paged_attention_ref, store_kv, store_kv_ref
 from nibble.kernels.paged_attention import paged_attention_launch
 
@@ -55,18 +59,38 @@ def test_store_kv_fp8_saturates() -> None:
     assert kc[0, 0, 0].float().tolist() == [448.0, -448.0]
 
 
+def _poison_unowned(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, lens: list[int]) -> None:
+    """NaN into every cache slot no sequence owns: the spare blocks, the slots past each sequence's end in
+    its last block; the table's unused entries point at a spare block."""
+    page = kc.shape[1]
+    kb, vb = kc.view(torch.uint8), vc.view(torch.uint8)  # all-ones bits: NaN in fp32, bf16 and e4m3
+    owned = torch.zeros(kc.shape[0], dtype=torch.bool)
+    for s, n in enumerate(lens):
+        nb = -(-n // page)
+        owned[table[s, :nb].long()] = True
+        kb[table[s, nb - 1], n - (nb - 1) * page:] = 0xFF
+        vb[table[s, nb - 1], n - (nb - 1) * page:] = 0xFF
+    spare = int((~owned).nonzero()[0])
+    kb[~owned] = 0xFF
+    vb[~owned] = 0xFF
+    for s, n in enumerate(lens):
+        table[s, -(-n // page):] = spare
+
+
 def _attention_case(ctx: list[int], qlen: list[int], page: int, hq: int, hk: int, d: int, kv_dtype: torch.dtype,
-                    splits: int | None = None) -> None:
+                    splits: int | None = None, config: dict | None = None) -> None:
     table, total = _layout(ctx, qlen, page)
     fp8 = kv_dtype == torch.float8_e4m3fn
     ks, vs = (0.05, 0.04) if fp8 else (1.0, 1.0)
     kc = (torch.randn(total, page, hk, d) / ks).to(kv_dtype)
     vc = (torch.randn(total, page, hk, d) / vs).to(kv_dtype)
+    seq_lens = [a + b for a, b in zip(ctx, qlen)]
+    _poison_unowned(kc, vc, table, seq_lens)
     q = torch.randn(sum(qlen), hq, d)
-    lens = torch.tensor([a + b for a, b in zip(ctx, qlen)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     args = (q, kc, vc, cu(qlen), lens, table, d ** -0.5, ks, vs, max(qlen), int(lens.max()))
     ref = paged_attention_ref(*args)
-    out = poisoned(paged_attention_launch, [(tuple(q.shape), q.dtype)], *args, num_splits=splits)
+    out = poisoned(paged_attention_launch, [(tuple(q.shape), q.dtype)], *args, num_splits=splits, config=config)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -83,3 +107,63 @@ def test_prefill_block32_no_gqa_odd_head_dim() -> None:
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_split_kv(kv_dtype: torch.dtype, splits: int) -> None:
     _attention_case([0, 36, 70], [1, 1, 1], 16, 8, 2, 32, kv_dtype, splits)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_verify_split_kv(kv_dtype: torch.dtype, splits: int | None, n: int) -> None:
+    """A verify step: n query tokens per sequence (the last token and n - 1 drafts), long contexts cut into
+    several KV chunks (None: the heuristic's count, 2 here)."""
+    _attention_case([300, 157, 40, 0], [n] * 4, 16, 8, 2, 32, kv_dtype, splits)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_verify_mixed_query_lengths(kv_dtype: torch.dtype, splits: int | None) -> None:
+    """Varlen: sequences with 1..5 query tokens in one step, one of them with no cached context."""
+    _attention_case([200, 33, 90, 0, 61], [2, 5, 1, 4, 3], 16, 8, 2, 32, kv_dtype, splits)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_verify_several_query_blocks(kv_dtype: torch.dtype, splits: int | None) -> None:
+    """Query blocks of 2 tokens (16 rows / group 8), so the 5-token queries span 3 blocks, each split
+    over the KV range up to its own last query token."""
+    _attention_case([130, 70, 9], [5, 3, 4], 16, 16, 2, 32, kv_dtype, splits,
+                    {"verify_rows": 16, "verify_fp8_rows": 16})
+
+
+@pytest.mark.parametrize(("hq", "hk", "d", "page"), [(6, 2, 24, 32), (5, 1, 40, 16), (3, 3, 24, 8)])
+def test_verify_odd_heads(hq: int, hk: int, d: int, page: int) -> None:
+    """Groups of 3, 5 and 1 heads (padded rows), head dims that are no power of two, other page sizes."""
+    _attention_case([170, 45, 2], [3, 2, 4], page, hq, hk, d, torch.float32, 4)
+
+
+def test_split_grid_from_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given max_query_len and max_seq_len, the launch reads no device value (no host sync), and its grids
+    are the same whatever the sequences' lengths: what a CUDA graph of a verify step needs."""
+    grids: list[tuple] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: grids.append((grid, kwargs.get("BLOCK_Q"), kwargs.get("BLOCK_S")))
+
+    def sync(*_args, **_kwargs):
+        raise AssertionError("device value read on the host")
+
+    monkeypatch.setattr(pa, "_paged_attn_kernel", Recorder())
+    monkeypatch.setattr(pa, "_merge_splits_kernel", Recorder())
+    q = torch.randn(12, 32, 64)
+    kc = torch.zeros(40, 16, 2, 64)
+    table = torch.zeros(4, 32, dtype=torch.int32)
+    cu_q = cu([3] * 4)
+    all_lens = [torch.tensor(lens, dtype=torch.int32) for lens in ([500, 3, 3, 3], [3, 3, 3, 3], [512] * 4)]
+    for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for seq_lens in all_lens:
+        pa.paged_attention_launch(q, kc, kc, cu_q, seq_lens, table, 0.125, max_query_len=3, max_seq_len=512)
+    monkeypatch.undo()
+    splits = pa.num_decode_splits(q.device, 4, 2, 512, 128, 64, q_blocks=1)
+    assert splits > 1
+    assert grids == [((4, 2, splits), 4, None), ((12, 32), None, splits)] * 3
