@@ -43,12 +43,25 @@ def _fill_normal(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Fill every parameter of a nibble model with random values of its format (in place)."""
-    device = next(model.parameters()).device
+    """Fill every parameter of a nibble model with random values of its format (in place). An MTP head
+    (`model.mtp`) draws from its own stream, so that the rest of the model gets the same values with or
+    without it (speculative decoding benchmarks compare the two)."""
+    head = getattr(model, "mtp", None)
+    in_head = {id(m) for m in head.modules()} if isinstance(head, nn.Module) else set()
+    _fill_modules([m for m in model.modules() if id(m) not in in_head], seed)
+    if isinstance(head, nn.Module):
+        _fill_modules(list(head.modules()), seed + 1)
+
+
+def _fill_modules(modules: list[nn.Module], seed: int) -> None:
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    if not params:
+        return
+    device = params[0].device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     handled: set[int] = set()
-    for mod in model.modules():
+    for mod in modules:
         if isinstance(mod, Linear):
             if mod.quantized:
                 _fill_fp4(mod.weight.data, mod.weight_scale.data, mod.global_scale.data, gen)
@@ -76,6 +89,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             mod.dt_bias.data.fill_(1.0)
             mod.norm_weight.data.fill_(1.0)
             handled.update(id(p) for p in (mod.conv_weight, mod.A_log, mod.dt_bias, mod.norm_weight))
-    for p in model.parameters():
+    for p in params:
         if id(p) not in handled:
             _fill_normal(p.data, DENSE_STD, gen)

@@ -3,9 +3,9 @@
 Tensors are streamed one at a time from the safetensors shards straight into the model's parameters, so
 the process never holds a second copy of the model. They are handed to the model lazily (`ShardTensor`:
 header shape and dtype, blocks read on demand through safetensors' `get_slice`), so that a tensor-parallel
-rank reads only its part of each tensor and skips other ranks' experts entirely. Vision tower and MTP
-tensors are skipped with one log line each; every other tensor must map onto a parameter, and every
-parameter must be filled.
+rank reads only its part of each tensor and skips other ranks' experts entirely. Vision tower tensors, and
+MTP head tensors unless the model is built with its MTP head (speculative decoding), are skipped with one
+log line each; every other tensor must map onto a parameter, and every parameter must be filled.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from nibble.models.registry import get_model_class
 
 logger = logging.getLogger("nibble.checkpoint")
 
-SKIPPED_PREFIXES = {"model.visual.": "vision tower", "visual.": "vision tower", "mtp.": "MTP head",
-                    "model.mtp.": "MTP head"}
+VISION_PREFIXES = {"model.visual.": "vision tower", "visual.": "vision tower"}
+# Multimodal checkpoints keep the MTP head at the top level (`mtp.`); `model.mtp.` is read the same way.
+MTP_PREFIXES = {"mtp.": "MTP head", "model.mtp.": "MTP head"}
+SKIPPED_PREFIXES = {**VISION_PREFIXES, **MTP_PREFIXES}
 
 
 _SAFETENSORS_DTYPES = {
@@ -72,41 +74,66 @@ class ShardTensor:
             raise CheckpointError(f"{self.path}: cannot read tensor '{self.name}': {e}") from e
 
 
-def iter_model_tensors(model_dir: str | Path, config: ModelConfig) -> Iterator[tuple[str, ShardTensor, str]]:
-    """Yield (normalised name, lazily read tensor, file name) for the language model's tensors, in storage
-    order."""
+def normalize_tensor_name(name: str) -> str:
+    """A checkpoint tensor name in the form the model's `load_weights` takes: `model.layers.N...` for the
+    language model of either layout, `mtp.*` for the MTP head."""
+    if name.startswith("model.mtp."):
+        return name[len("model."):]
+    return normalize_module_name(name)
+
+
+def iter_model_tensors(model_dir: str | Path, config: ModelConfig, *,
+                       with_mtp: bool = False) -> Iterator[tuple[str, ShardTensor, str]]:
+    """Yield (normalised name, lazily read tensor, file name) for the language model's tensors, and the
+    MTP head's when `with_mtp`, in storage order."""
+    skip = VISION_PREFIXES if with_mtp else SKIPPED_PREFIXES
     skipped: dict[str, int] = {}
     for path in list_shards(model_dir):
         handle = open_shard(path)
         for name in handle.keys():
-            what = next((w for p, w in SKIPPED_PREFIXES.items() if name.startswith(p)), None)
+            what = next((w for p, w in skip.items() if name.startswith(p)), None)
             if what is not None:
                 skipped[what] = skipped.get(what, 0) + 1
                 continue
-            yield normalize_module_name(name), ShardTensor(handle, name, path), path.name
+            yield normalize_tensor_name(name), ShardTensor(handle, name, path), path.name
     for what, count in skipped.items():
         logger.info("skipped %d %s tensors (not used for text generation)", count, what)
 
 
+def _check_has_mtp(model_dir: str | Path) -> None:
+    """Fail before reading any weight when the MTP head is wanted and the checkpoint has none (header only)."""
+    for path in list_shards(model_dir):
+        if any(name.startswith(tuple(MTP_PREFIXES)) for name in open_shard(path).keys()):
+            return
+    raise CheckpointError(f"{model_dir}: the checkpoint has no 'mtp.*' tensors; speculative decoding with MTP "
+                          "needs the MTP head's 'mtp.*' tensors (the original Qwen3.5 checkpoints have them; "
+                          "text-only exports often drop them)")
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *, dtype: torch.dtype,
                device: torch.device | str, load_format: str = "auto", max_positions: int | None = None,
-               seed: int = 0, parallel: ParallelContext | None = None) -> nn.Module:
+               seed: int = 0, parallel: ParallelContext | None = None, num_mtp_layers: int = 0) -> nn.Module:
     """Construct the model for `config` on `device` and load its weights.
 
     load_format: 'auto' (safetensors in model_dir) or 'dummy' (random weights of the right format).
     parallel: this process's tensor-parallel rank (None: the whole model); it builds and reads only its
-    share of the weights.
+    share of the weights. num_mtp_layers > 0 also builds and loads that many layers of the checkpoint's MTP
+    head (the draft model of speculative decoding); the config must declare at least as many
+    (mtp_num_hidden_layers) and the checkpoint must hold its `mtp.*` tensors.
     """
     t0 = time.perf_counter()
     cls = get_model_class(config)
     with torch.device(device):
-        model = cls(config, kernels, dtype=dtype, device=device, max_positions=max_positions, parallel=parallel)
+        model = cls(config, kernels, dtype=dtype, device=device, max_positions=max_positions, parallel=parallel,
+                    num_mtp_layers=num_mtp_layers)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":
+        if num_mtp_layers > 0:
+            _check_has_mtp(model_dir)
         current = "?"
         try:
-            for name, tensor, file in iter_model_tensors(model_dir, config):
+            for name, tensor, file in iter_model_tensors(model_dir, config, with_mtp=num_mtp_layers > 0):
                 current = f"{file}: {name}"
                 model.load_weights([(name, tensor)])
         except WeightLoadError as e:

@@ -29,6 +29,10 @@ class ForwardBatch:
     state_slots: int32 [num_seqs]; logits_indices: int64 [num_seqs] (last token of each sequence).
     max_query_len / max_seq_len are host ints so kernels can pick launch shapes without a device sync.
     `cu_seqlens_q_cpu` and `seq_lens_cpu` are host copies for the same reason (fla's varlen chunking).
+    spec_slots: int32 [num_seqs, n] for a speculative verify step, where every sequence feeds the same n
+    tokens (its last token and n - 1 draft tokens): the GDN layers start from `state_slots[i]` and leave
+    their state after the sequence's j-th token in slot `spec_slots[i, j]`, so that the engine can keep
+    the state of however many draft tokens were accepted (None otherwise).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +47,7 @@ class ForwardBatch:
     max_seq_len: int
     cu_seqlens_q_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    spec_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -212,9 +217,10 @@ class ModelCaches:
     def allocate(cls, config: object, num_blocks: int, block_size: int, num_state_slots: int,
                  dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device | str,
                  num_kv_heads: int | None = None, num_v_heads: int | None = None,
-                 conv_dim: int | None = None) -> ModelCaches:
+                 conv_dim: int | None = None, num_mtp_layers: int = 0) -> ModelCaches:
         """Allocate caches for a `ModelConfig`; the `num_*`/`conv_dim` overrides give a tensor-parallel
-        rank's share of heads."""
+        rank's share of heads. num_mtp_layers: full-attention KV caches appended after the model's layers
+        (ids num_hidden_layers, ...) for the MTP draft head's layers."""
         from nibble.models.config import FULL_ATTENTION, ModelConfig
 
         assert isinstance(config, ModelConfig)
@@ -223,7 +229,7 @@ class ModelCaches:
         cd = conv_dim or config.linear_conv_dim
         kv: list[KVCache | None] = []
         gdn: list[GDNState | None] = []
-        for t in config.layer_types:
+        for t in [*config.layer_types, *([FULL_ATTENTION] * num_mtp_layers)]:
             if t == FULL_ATTENTION:
                 shape = (num_blocks, block_size, kvh, config.head_dim)
                 kv.append(KVCache(torch.zeros(shape, dtype=kv_dtype, device=device),

@@ -3,7 +3,8 @@ followed by a sparse MoE with a shared expert.
 
 The model computes with the kernels of the `KernelSet` it is built with, reads and writes the paged KV cache
 and the GDN state pool through `ForwardBatch`, and maps checkpoint tensors onto its parameters in
-`load_weights` (names normalised to the text-only layout `model.layers.N...`).
+`load_weights` (names normalised to the text-only layout `model.layers.N...`; the MTP head's, when built,
+stay `mtp.*`).
 
 Built with a `ParallelContext` of tp_size > 1, the model is one tensor-parallel rank: every layer holds its
 share of the weights (see nibble/layers/parallel.py), `load_weights` reads only that share of each
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,7 +32,10 @@ from nibble.layers.moe import MoEOutput, SparseMoE
 from nibble.layers.norm import RMSNorm
 from nibble.layers.parallel import SINGLE, ParallelContext, TensorSource, read_full, read_partition
 from nibble.layers.rotary import RotaryEmbedding
-from nibble.models.config import FULL_ATTENTION, ModelConfig
+from nibble.models.config import FULL_ATTENTION, ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from nibble.models.qwen3_5_mtp import Qwen3_5MTP
 
 logger = logging.getLogger("nibble.models")
 
@@ -40,12 +45,23 @@ _LINEAR_KINDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer (token mixer + MoE, each with its pre-norm and residual).
+
+    layer_id: the index of its cache in `ModelCaches` (kv or gdn). prefix: its checkpoint module name, which
+    the quantization config's exclude globs are matched against (default `model.layers.{layer_id}`).
+    full_attention: its mixer (default from config.layer_types[layer_id]). The MTP head builds its layers
+    with all three given: `mtp.layers.i`, full attention, cache index num_hidden_layers + i.
+    """
+
     def __init__(self, config: ModelConfig, layer_id: int, kernels: KernelSet, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext) -> None:
+                 dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext, *,
+                 prefix: str | None = None, full_attention: bool | None = None) -> None:
         super().__init__()
-        prefix = f"model.layers.{layer_id}"
+        prefix = prefix or f"model.layers.{layer_id}"
         self.layer_id = layer_id
-        self.is_full_attention = config.layer_types[layer_id] == FULL_ATTENTION
+        self.prefix = prefix
+        self.is_full_attention = (config.layer_types[layer_id] == FULL_ATTENTION if full_attention is None
+                                  else full_attention)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         if self.is_full_attention:
@@ -80,11 +96,16 @@ class DecoderLayer(nn.Module):
 
 class Qwen3_5MoeForCausalLM(nn.Module):
     """forward(batch, caches) -> hidden [num_tokens, hidden]; compute_logits(hidden [N, hidden]) -> fp32
-    [N, vocab]."""
+    [N, vocab].
+
+    num_mtp_layers > 0 also builds the MTP head (`self.mtp`, see nibble/models/qwen3_5_mtp.py) with that
+    many of the checkpoint's MTP layers, run by `mtp_forward`; its KV caches follow the model's
+    (ModelCaches.allocate(..., num_mtp_layers=n)).
+    """
 
     def __init__(self, config: ModelConfig, kernels: KernelSet, dtype: torch.dtype,
                  device: torch.device | str, max_positions: int | None = None,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel: ParallelContext | None = None, num_mtp_layers: int = 0) -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels
@@ -99,6 +120,15 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, device)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, device,
                               tied=self.embed_tokens if config.tie_word_embeddings else None, parallel=parallel)
+        self.num_mtp_layers = num_mtp_layers
+        self.mtp: Qwen3_5MTP | None = None
+        if num_mtp_layers > 0:
+            if config.mtp_num_hidden_layers < num_mtp_layers:
+                raise ConfigError(f"{config.source}: {num_mtp_layers} MTP layer(s) requested for speculative "
+                                  f"decoding, but mtp_num_hidden_layers is {config.mtp_num_hidden_layers}")
+            from nibble.models.qwen3_5_mtp import Qwen3_5MTP
+
+            self.mtp = Qwen3_5MTP(config, num_mtp_layers, kernels, self.rotary, dtype, device, parallel)
         self._loaded: set[str] = set()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
@@ -111,6 +141,16 @@ class Qwen3_5MoeForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
+                    step: int = 0) -> torch.Tensor:
+        """One MTP draft step: input_ids int64 [T], the token following each row's position; hidden [T, H],
+        what `forward` returned for those positions (or the previous step's output); batch: positions, KV
+        slots and block tables of those rows. Returns [T, H] after the head's final norm, for
+        `compute_logits`. Step s runs MTP layer s % num_mtp_layers."""
+        if self.mtp is None:
+            raise RuntimeError("mtp_forward: the model was built without an MTP head (num_mtp_layers=0)")
+        return self.mtp(self.embed_tokens(input_ids), hidden, batch, caches, step)
 
     def cache_dims(self) -> dict[str, int]:
         """This rank's cache widths, as `ModelCaches.allocate` overrides: num_kv_heads, num_v_heads, conv_dim."""
@@ -125,9 +165,11 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         return dims
 
     def kv_scales(self) -> dict[int, tuple[float, float]]:
-        """FP8 KV-cache scales found in the checkpoint, per full-attention layer (1.0 when absent)."""
+        """FP8 KV-cache scales found in the checkpoint, per full-attention layer (1.0 when absent), the MTP
+        head's layers included (ids num_hidden_layers + i)."""
+        layers = [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]
         return {layer.layer_id: (layer.kv_scales[0], layer.kv_scales[1])
-                for layer in self.layers if layer.is_full_attention}
+                for layer in layers if layer.is_full_attention}
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Copy checkpoint tensors (normalised names, streamed one at a time, in memory or lazily read) into
@@ -153,7 +195,13 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             self.lm_head.load(tensor)
             return
         if name == "model.norm.weight":
-            self._load_norm(name, self.norm, tensor)
+            load_norm(name, self.norm, tensor)
+            return
+        if name.startswith("mtp."):
+            if self.mtp is None:
+                raise WeightLoadError(f"tensor '{name}': MTP head tensor, but the model was built without an "
+                                      "MTP head (num_mtp_layers=0)")
+            self.mtp.load(name, tensor, self._load_layer)
             return
         m = _LAYER_RE.match(name)
         if m is None:
@@ -162,26 +210,25 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         if layer_id >= len(self.layers):
             raise WeightLoadError(f"tensor '{name}': layer {layer_id} but the config has "
                                   f"{len(self.layers)} layers")
-        layer = self.layers[layer_id]
+        self._load_layer(name, self.layers[layer_id], rest, tensor)
+
+    def _load_layer(self, name: str, layer: DecoderLayer, rest: str, tensor: TensorSource) -> None:
+        """One tensor of a decoder layer (the model's or the MTP head's); rest: its name after the layer's
+        prefix."""
         if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            self._load_norm(name, getattr(layer, rest.split(".")[0]), tensor)
+            load_norm(name, getattr(layer, rest.split(".")[0]), tensor)
         elif rest.startswith("self_attn."):
             if not layer.is_full_attention:
-                raise WeightLoadError(f"tensor '{name}': layer {layer_id} is a linear-attention layer")
+                raise WeightLoadError(f"tensor '{name}': {layer.prefix} is a linear-attention layer")
             self._load_attention(name, layer, rest[len("self_attn."):], tensor)
         elif rest.startswith("linear_attn."):
             if layer.is_full_attention:
-                raise WeightLoadError(f"tensor '{name}': layer {layer_id} is a full-attention layer")
+                raise WeightLoadError(f"tensor '{name}': {layer.prefix} is a full-attention layer")
             self._load_gdn(name, layer.linear_attn, rest[len("linear_attn."):], tensor)
         elif rest.startswith("mlp."):
             self._load_moe(name, layer.mlp, rest, tensor)
         else:
             raise WeightLoadError(f"tensor '{name}': not part of a Qwen3.5-MoE text model")
-
-    @staticmethod
-    def _load_norm(name: str, norm: RMSNorm, tensor: TensorSource) -> None:
-        check_tensor(name, tensor, tuple(norm.weight.shape), FLOAT_DTYPES)
-        norm.weight.data.copy_(read_full(tensor))
 
     @staticmethod
     def _load_linear(name: str, target: Linear | FusedProjections, proj: str, kind: str,
@@ -198,7 +245,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         attn = layer.self_attn
         proj, _, kind = rest.partition(".")
         if rest in ("q_norm.weight", "k_norm.weight"):
-            self._load_norm(name, attn.q_norm if proj == "q_norm" else attn.k_norm, tensor)
+            load_norm(name, attn.q_norm if proj == "q_norm" else attn.k_norm, tensor)
         elif kind in ("k_scale", "v_scale") or rest in ("k_scale", "v_scale"):
             scale_kind = kind or rest
             layer.kv_scales[0 if scale_kind == "k_scale" else 1] = float(read_full(tensor).float().reshape(-1)[0])
@@ -258,27 +305,18 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         if self.lm_head.tied is None:
             names.append("lm_head.weight")
         for layer in self.layers:
-            p = f"model.layers.{layer.layer_id}"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            if layer.is_full_attention:
-                a = layer.self_attn
-                names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-                names += _linear_names(f"{p}.self_attn", a.qkv) + _linear_names(f"{p}.self_attn.o_proj", a.o_proj)
-            else:
-                g = layer.linear_attn
-                names += [f"{p}.linear_attn.{n}" for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")]
-                names += _linear_names(f"{p}.linear_attn", g.in_proj)
-                names += _linear_names(f"{p}.linear_attn.out_proj", g.out_proj)
-            mlp = layer.mlp
-            names += _linear_names(f"{p}.mlp", mlp.in_proj)
-            names += _linear_names(f"{p}.mlp.shared_expert.down_proj", mlp.shared_down)
+            names += layer_tensor_names(layer)
+        if self.mtp is not None:
+            names += self.mtp.expected_tensor_names()
         return names
 
     def check_complete(self) -> None:
         """Raise WeightLoadError listing the tensors the checkpoint did not provide."""
         missing = [n for n in self.expected_tensor_names() if n not in self._loaded]
         for layer in self.layers:
-            missing += [f"model.layers.{layer.layer_id}.mlp.{n}" for n in layer.mlp.experts.missing()]
+            missing += [f"{layer.prefix}.mlp.{n}" for n in layer.mlp.experts.missing()]
+        if self.mtp is not None:
+            missing += self.mtp.missing_expert_names()
         if missing:
             shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise WeightLoadError(f"checkpoint is missing tensors: {shown}")
@@ -290,7 +328,32 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 mod.finalize()
 
 
-def _linear_names(prefix: str, lin: Linear | FusedProjections) -> list[str]:
+def load_norm(name: str, norm: RMSNorm, tensor: TensorSource) -> None:
+    check_tensor(name, tensor, tuple(norm.weight.shape), FLOAT_DTYPES)
+    norm.weight.data.copy_(read_full(tensor))
+
+
+def layer_tensor_names(layer: DecoderLayer) -> list[str]:
+    """Normalised checkpoint names of a decoder layer's tensors, routed experts aside."""
+    p = layer.prefix
+    names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+    if layer.is_full_attention:
+        a = layer.self_attn
+        names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        names += linear_tensor_names(f"{p}.self_attn", a.qkv)
+        names += linear_tensor_names(f"{p}.self_attn.o_proj", a.o_proj)
+    else:
+        g = layer.linear_attn
+        names += [f"{p}.linear_attn.{n}" for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")]
+        names += linear_tensor_names(f"{p}.linear_attn", g.in_proj)
+        names += linear_tensor_names(f"{p}.linear_attn.out_proj", g.out_proj)
+    names += linear_tensor_names(f"{p}.mlp", layer.mlp.in_proj)
+    names += linear_tensor_names(f"{p}.mlp.shared_expert.down_proj", layer.mlp.shared_down)
+    return names
+
+
+def linear_tensor_names(prefix: str, lin: Linear | FusedProjections) -> list[str]:
+    """Checkpoint names of a linear's tensors (`prefix.kind`, or `prefix.proj.kind` for fused projections)."""
     if isinstance(lin, FusedProjections):
         out = []
         for name in lin.names:

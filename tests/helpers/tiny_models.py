@@ -6,7 +6,8 @@ transformers' `save_pretrained` writes it (per-expert tensors), the multimodal l
 Qwen3.5 checkpoints (`model.language_model.*`, plus vision tower and MTP tensors), and fused experts
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) as in the original BF16 files.
 `load_dequantized_reference` rebuilds the transformers model from any of these, with NVFP4 weights
-dequantized exactly, so tests can compare nibble against transformers.
+dequantized exactly, so tests can compare nibble against transformers. `MTPReference` does the same for the
+checkpoint's MTP head.
 """
 
 from __future__ import annotations
@@ -253,3 +254,60 @@ def load_dequantized_reference(nvfp4_dir: str | Path, dtype: torch.dtype = torch
     state = _fuse_experts(weights)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(dtype).eval()
+
+
+class MTPReference(torch.nn.Module):
+    """Qwen3.5's MTP head from a checkpoint's `mtp.*` tensors, written from its definition: transformers'
+    own `Qwen3_5MoeDecoderLayer` (full attention) for the layer, plain torch and transformers' RMSNorm for
+    the rest. forward(input_ids [L], hidden [L, H]) -> [L, H] for ONE sequence at positions 0..L-1 (causal
+    attention over the rows): row t reads the token following position t and the target's hidden state at t.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, layer: int = 0) -> None:
+        super().__init__()
+        _transformers()
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        text = dict(raw.get("text_config", raw))
+        for key in ("architectures", "quantization_config", "transformers_version", "model_type"):
+            text.pop(key, None)
+        config = qwen.Qwen3_5MoeTextConfig(**text)
+        config._attn_implementation = "eager"
+        raw_tensors = {name: t for name, t, _ in iter_tensors(list_shards(model_dir))
+                       if name.startswith("mtp.") or name.endswith("embed_tokens.weight")}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in raw_tensors.items():
+            if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+                continue
+            if t.dtype == torch.uint8:
+                module = name[: -len(".weight")]
+                t = dequantize(t, raw_tensors[f"{module}.weight_scale"], raw_tensors[f"{module}.weight_scale_2"])
+            tensors[name] = t.float()
+        (embed,) = [t for n, t in tensors.items() if n.endswith("embed_tokens.weight")]
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        with torch.random.fork_rng(devices=[]):
+            self.layer = qwen.Qwen3_5MoeDecoderLayer(config, config.layer_types.index("full_attention"))
+            self.rotary = qwen.Qwen3_5MoeTextRotaryEmbedding(config)
+            self.norms = torch.nn.ModuleDict({n: qwen.Qwen3_5MoeRMSNorm(hidden, eps)
+                                              for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+        prefix = f"mtp.layers.{layer}."
+        layer_state = _fuse_experts({n: t for n, t in tensors.items() if n.startswith(prefix)})
+        self.layer.load_state_dict({n[len(prefix):]: t for n, t in layer_state.items()}, strict=True)
+        for n, norm in self.norms.items():
+            norm.weight.data.copy_(tensors[f"mtp.{n}.weight"])
+        self.register_buffer("embed", embed)
+        self.register_buffer("fc", tensors["mtp.fc.weight"])
+        self.to(dtype).eval()
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        e = self.norms["pre_fc_norm_embedding"](torch.nn.functional.embedding(input_ids, self.embed))
+        x = self.norms["pre_fc_norm_hidden"](hidden.to(e.dtype))
+        x = torch.nn.functional.linear(torch.cat([e, x], dim=-1), self.fc)[None]
+        length = x.shape[1]
+        positions = torch.arange(length)[None]
+        mask = torch.full((length, length), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+        x = self.layer(x, position_embeddings=self.rotary(x, positions), attention_mask=mask,
+                       position_ids=positions)
+        return self.norms["norm"](x)[0]
