@@ -204,6 +204,11 @@ stage_prefixcache() {  # TTFT with a shared prefix cached / computed, 122B-A10B 
   run prefixcache 440 python3 benchmarks/prefix_cache_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
     --shared 1024,4096,16384 --out "$OUT/prefixcache.json"
 }
+stage_spectests() { NIBBLE_TEST_GPU=1 run spectests 300 python3 -m pytest -q tests/gpu/test_spec_decode_gpu.py tests/gpu/test_attention_verify_gpu.py tests/gpu/test_kernels_gpu.py -k "spec or verify or graphs_match" -p no:cacheprovider -rf; }
+stage_specdecode() {  # decode with MTP drafts (own, and acceptance forced at 1.0/0.8/0.6), 122B-A10B dummy weights
+  run specdecode 560 python3 benchmarks/spec_decode_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+    --ks ${SPEC_KS:-0,1,3} --batches ${SPEC_BATCHES:-1,8,32} --alphas ${SPEC_ALPHAS:-1.0,0.8,0.6} --out "$OUT/specdecode.json"
+}
 stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
   run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
 }

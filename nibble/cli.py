@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-backend", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens per step from the model's MTP head (speculative decoding; default: 0 = off)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -53,7 +55,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
-        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

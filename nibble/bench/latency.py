@@ -104,26 +104,30 @@ def run_latency(engine: Any, batch_size: int, input_len: int, output_len: int, n
         # interval between two returns is the step time either way (a step waits for its sampled tokens).
         # Decode steps are those after every request has its first token (no prefill chunk in the batch).
         t_prev = t_start
+        decode_tokens = 0
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()
             if len(first_token) == batch_size:
                 step_times.append(now - t_prev)
+                decode_tokens += sum(len(o.outputs[0].delta_token_ids) for o in outs)
             t_prev = now
             for o in outs:
                 first_token.setdefault(o.request_id, now)
         prefill_time = max(first_token.values()) - t_start
         _sync(device)
         total = time.perf_counter() - t_start
-        results.append((prefill_time, step_times, total))
-    prefill_time, step_times, total = results[-1]
+        results.append((prefill_time, step_times, total, decode_tokens))
+    prefill_time, step_times, total, decode_tokens = results[-1]
     median = statistics.median(step_times) if step_times else float("nan")
+    # a speculative decoding step yields one token per sequence plus its accepted drafts
+    tokens_per_step = decode_tokens / len(step_times) if step_times else float("nan")
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
             "prefill_s": prefill_time, "num_decode_steps": len(step_times), "decode_step_median_ms": median * 1e3,
             "decode_step_p90_ms": (sorted(step_times)[int(0.9 * (len(step_times) - 1))] * 1e3
                                    if step_times else float("nan")),
-            "decode_tok_s": batch_size / median if step_times else float("nan"),
-            "total_s": total}
+            "decode_tok_s": tokens_per_step / median if step_times else float("nan"),
+            "decode_tokens_per_step": tokens_per_step, "total_s": total}
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

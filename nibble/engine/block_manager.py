@@ -17,9 +17,11 @@ from nibble.engine.request import Request
 class BlockManager:
     """num_blocks blocks of block_size tokens and num_state_slots GDN slots, both with 1 reserved.
     prefix_caching: keep cached prefixes (they live on free capacity: evicted whenever blocks or slots
-    are short)."""
+    are short). num_spec_slots: slots each request holds besides its own (speculative decoding: where a
+    verify step leaves the GDN states after each draft token)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, prefix_caching: bool = False,
+                 num_spec_slots: int = 0) -> None:
         if num_blocks < 2 or num_state_slots < 2:
             raise ValueError(f"need at least 2 KV blocks and 2 state slots, got {num_blocks} and {num_state_slots}")
         self.num_blocks = num_blocks
@@ -30,6 +32,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.prefix: PrefixIndex | None = PrefixIndex(block_size) if prefix_caching else None
         self.round = 0
+        self.num_spec_slots = num_spec_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,14 +94,26 @@ class BlockManager:
         return self.free_slots.popleft() if self.free_slots else None
 
     def allocate_slot(self, request: Request) -> bool:
-        """Give the request a GDN state slot; False when none is free. The caller zeroes (or fills) it."""
+        """Give the request a GDN state slot (and its num_spec_slots spare slots); False when they are not
+        all free. The caller zeroes (or fills) the state slot."""
         if request.state_slot is not None:
             return True
-        slot = self._take_slot()
-        if slot is None:
-            return False
-        request.state_slot = slot
+        taken: list[int] = []
+        for _ in range(1 + self.num_spec_slots):
+            slot = self._take_slot()
+            if slot is None:
+                self.free_slots.extendleft(reversed(taken))
+                return False
+            taken.append(slot)
+        request.state_slot, request.spec_slots = taken[0], taken[1:]
         return True
+
+    def accept_spec_state(self, request: Request, group: list[int], num_accepted: int) -> None:
+        """After a verify step that left the state after the last token and draft j in group[j] (group: the
+        request's [state_slot] + spec_slots before the step), make the state after num_accepted drafts the
+        request's state; the other slots of the group become its spares."""
+        request.state_slot = group[num_accepted]
+        request.spec_slots = group[:num_accepted] + group[num_accepted + 1:]
 
     def _release_blocks(self, block_ids: list[int]) -> None:
         for b in block_ids:
@@ -113,6 +128,8 @@ class BlockManager:
         if request.state_slot is not None:
             self.free_slots.append(request.state_slot)
             request.state_slot = None
+        self.free_slots.extend(request.spec_slots)
+        request.spec_slots = []
 
     def all_free(self) -> bool:
         """Whether no request holds a block or slot (the prefix cache's entries may)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -11,6 +12,35 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
           "float": torch.float32}
+
+
+SPECULATIVE_METHODS = ("mtp",)
+# vLLM's names for the same drafter (Qwen3-Next / Qwen3.5 MTP head)
+_METHOD_ALIASES = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
+MAX_SPECULATIVE_TOKENS = 8
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """EngineConfig fields from vLLM's `--speculative-config` JSON, e.g. '{"method": "mtp",
+    "num_speculative_tokens": 2}' (also "qwen3_next_mtp" / "qwen3_5_mtp"). Raises EngineConfigError."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EngineConfigError(f"--speculative-config is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise EngineConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise EngineConfigError(f"--speculative-config: unsupported field(s) {', '.join(unknown)} (nibble takes "
+                                "method and num_speculative_tokens)")
+    method = spec.get("method", "mtp")
+    if method not in _METHOD_ALIASES:
+        raise EngineConfigError(f"--speculative-config: method must be one of {', '.join(_METHOD_ALIASES)}, "
+                                f"got {method!r}")
+    k = spec.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise EngineConfigError(f"--speculative-config: num_speculative_tokens must be an integer, got {k!r}")
+    return {"speculative_method": _METHOD_ALIASES[method], "num_speculative_tokens": k}
 
 
 class EngineConfigError(ValueError):
@@ -48,6 +78,8 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = True
     prefix_cache_slots: int = 16
+    speculative_method: str = "mtp"
+    num_speculative_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,14 +101,30 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"--max-model-len must be >= 1, got {self.max_model_len}")
         check(self.prefix_cache_slots >= 0, f"--prefix-cache-slots must be >= 0, got {self.prefix_cache_slots}")
+        check(self.speculative_method in SPECULATIVE_METHODS,
+              f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got '{self.speculative_method}'")
+        check(0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        check(self.max_num_batched_tokens > self.num_speculative_tokens,
+              f"--max-num-batched-tokens must exceed --num-speculative-tokens ({self.num_speculative_tokens}): a "
+              f"verify step feeds each sequence {self.num_speculative_tokens + 1} tokens")
+        check(self.num_speculative_tokens == 0 or self.tensor_parallel_size == 1,
+              "speculative decoding runs on one GPU only for now: drop --num-speculative-tokens or use "
+              "--tensor-parallel-size 1")
         check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got '{self.device}'")
 
     @property
+    def speculative(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    @property
     def num_state_slots(self) -> int:
-        """GDN state slots to allocate: one per sequence, the reserved scratch slot, and the prefix cache's."""
-        return self.max_num_seqs + 1 + (self.prefix_cache_slots if self.enable_prefix_caching else 0)
+        """GDN state slots to allocate: one per sequence (plus one per draft token under speculative
+        decoding, for the states after each draft), the reserved scratch slot, and the prefix cache's."""
+        per_seq = 1 + self.num_speculative_tokens
+        return self.max_num_seqs * per_seq + 1 + (self.prefix_cache_slots if self.enable_prefix_caching else 0)
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,6 +9,10 @@ steps no longer leaves the GPU idle; only decode steps are queued ahead (see `_c
 that stops (EOS, stop string, error, abort) has its row of the step already queued discarded; requests
 reaching max_tokens are not scheduled again. Off under tensor parallelism.
 
+Speculative decoding (`EngineConfig.num_speculative_tokens`, the MTP head drafting): every step runs to the
+end before the next is scheduled (`_spec_step`), since a verify step's accepted count moves the positions
+of the next; a decoding request gets up to num_speculative_tokens + 1 tokens per step.
+
 Penalties (repetition/presence/frequency) and structured outputs need the token of the step before on the
 host: the sampler counts it, the grammar's matcher must have taken it before it can say which tokens come
 next. While a request uses them, the queued step's forward pass still goes ahead, but its sampling is
@@ -28,16 +32,17 @@ import torch
 from nibble.checkpoint.demo import resolve_model_path
 from nibble.checkpoint.loader import load_model
 from nibble.engine.block_manager import BlockManager
-from nibble.engine.config import EngineConfig
+from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationDefaults
 from nibble.engine.kernels import select_engine_kernels
-from nibble.engine.model_runner import ModelRunner
+from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
+from nibble.engine.spec_sampler import needs_full_sampler
 from nibble.engine.structured_output import GrammarBackend, StructuredOutputError
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
@@ -93,6 +98,10 @@ class LLMEngine:
         if max_model_len > self.model_config.max_position_embeddings:
             raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                                f"{self.model_config.max_position_embeddings}")
+        if config.speculative and self.model_config.mtp_num_hidden_layers < 1:
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: mtp_num_hidden_layers is 0, the model has "
+                                    "no MTP head to draft with; drop --num-speculative-tokens")
+        self.num_spec_tokens = config.num_speculative_tokens
         self.kernels, self.kernel_report = select_engine_kernels(config, self.model_config)
         # Tensor parallelism: ranks 1..N-1 are worker processes that mirror the model loading and runner
         # construction below and then run every step this engine broadcasts (nibble/engine/worker.py).
@@ -102,21 +111,24 @@ class LLMEngine:
         try:
             self.model = load_model(self.model_dir, self.model_config, self.kernels, dtype=config.torch_dtype,
                                     device=self.device, load_format=config.load_format,
-                                    max_positions=max_model_len, seed=config.seed, parallel=parallel)
+                                    max_positions=max_model_len + 2 * self.num_spec_tokens, seed=config.seed,
+                                    parallel=parallel, num_mtp_layers=num_mtp_layers(config, self.model_config))
             self.runner = ModelRunner(config, self.model_config, self.model, max_model_len, parallel=parallel,
                                       broadcast=self.workers.broadcast if self.workers is not None else None)
         except BaseException:
             self.shutdown()
             raise
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,
-                                   prefix_caching=config.enable_prefix_caching)
-        capacity = self.blocks.num_usable_blocks * config.block_size
+                                   prefix_caching=config.enable_prefix_caching, num_spec_slots=self.num_spec_tokens)
+        # a verify step holds blocks for 2k positions past the computed tokens (scheduler._alloc_len)
+        capacity = self.blocks.num_usable_blocks * config.block_size - 2 * self.num_spec_tokens
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_spec_tokens=self.num_spec_tokens)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._generator = torch.Generator(device=self.device)
@@ -132,6 +144,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         if config.warmup and self.device.type == "cuda":
             try:
                 self.warm_up()
@@ -178,6 +192,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.scheduler.num_prefix_query_tokens = 0
         self.scheduler.num_prefix_hit_tokens = 0
 
@@ -267,7 +283,9 @@ class LLMEngine:
                 "num_generated_tokens": self.num_generated_tokens, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_preemptions": self.num_preemptions,
                 "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
-                "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens}
+                "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for each request that advanced or finished. With
@@ -276,6 +294,8 @@ class LLMEngine:
         if self._step_error is not None:
             error, self._step_error = self._step_error, None
             raise error
+        if self.num_spec_tokens:
+            return self._spec_step()
         try:
             cur = self._inflight or self._launch(None)
             self._inflight = None
@@ -295,6 +315,58 @@ class LLMEngine:
                 # and fail the next call instead
                 self._abandon_steps()
                 self._step_error = exc
+        return outputs
+
+    def _spec_step(self) -> list[RequestOutput]:
+        """One step under speculative decoding (spec_decode.py), run to the end before returning: the next
+        step's positions depend on how many drafts this one accepts."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += sched.num_preempted
+        if sched.empty:
+            return []
+        self.num_steps += 1
+        drafted = {i for i, r in enumerate(sched.requests) if not needs_full_sampler(r)}
+        try:
+            out = self.runner.execute_spec(sched, self._generator, self._bitmask)
+        except BaseException:
+            self._abandon_steps()
+            raise
+        if not sched.spec_verify:
+            for req, n in zip(sched.requests, sched.num_new_tokens):
+                req.num_computed_tokens += n
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for j, i in enumerate(out.rows):
+            req = sched.requests[i]
+            if req.finished:
+                continue
+            tokens = out.tokens[j]
+            context = req.num_computed_tokens
+            group = [req.state_slot, *req.spec_slots]
+            if sched.spec_verify and i in drafted:
+                self.num_draft_tokens += self.num_spec_tokens
+                self.num_accepted_tokens += len(tokens) - 1
+            if j in out.bad_rows:
+                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {self.num_steps} "
+                             f"for this request; generation stopped")
+                logger.error("non-finite logits: request %s, step %d", req.request_id, self.num_steps)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req))
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            for t, token in enumerate(tokens):
+                if sched.spec_verify:
+                    # token t follows the last token and t accepted drafts: that is what the caches hold when
+                    # it is appended, so a request ending here leaves a consistent prefix-cache entry
+                    req.num_computed_tokens = context + 1 + t
+                    self.blocks.accept_spec_state(req, group, t)  # type: ignore[arg-type]
+                self._append_token(req, token, out.logprobs[j] if t == 0 else None)
+                if req.finished:
+                    break
+            if not req.finished:
+                req.draft_token_ids = out.drafts[j]
+            outputs.append(self._output(req))
         return outputs
 
     def _abandon_steps(self) -> None:

@@ -12,15 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import torch
 from torch import nn
 
 from nibble.engine.config import EngineConfig
-from nibble.engine.cuda_graphs import DecodeGraphs
-from nibble.engine.request import PENDING_BASE
+from nibble.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from nibble.engine.request import PENDING_BASE, Request, TokenLogprobs
+from nibble.engine.sampler import sample_launch
 from nibble.engine.scheduler import ScheduledBatch
+from nibble.engine.spec_decode import VerifyGraphs, draft_after_prefill, draft_after_verify
+from nibble.engine.spec_sampler import accept_drafts
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
@@ -30,18 +34,48 @@ from nibble.models.config import FULL_ATTENTION, ModelConfig
 logger = logging.getLogger("nibble.engine")
 
 CPU_DEFAULT_KV_GB = 0.25
+# Verify graphs hold [B * (k + 1), vocab] fp32 logits per size; larger verify batches run eagerly.
+MAX_VERIFY_GRAPH_BATCH = 64
+
+
+@dataclass
+class SpecStepOutput:
+    """What a speculative-decoding step produced, per sampled row (rows: indices into the step's requests):
+    tokens (accepted drafts, then the new token), the next drafts, rows (positions in `rows`) whose logits
+    were not finite, and log-probs (rows sampled by the regular sampler only)."""
+
+    rows: list[int]
+    tokens: list[list[int]]
+    drafts: list[list[int]]
+    bad_rows: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 def rank_cache_bytes(model_config: ModelConfig, dims: dict[str, int], block_size: int, dtype: torch.dtype,
-                     kv_dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of one KV block, bytes of one sequence's GDN state) over all layers, for a rank whose cache
-    widths are `dims` (see `cache_dims()` of the model: num_kv_heads, num_v_heads, conv_dim)."""
-    num_full = sum(t == FULL_ATTENTION for t in model_config.layer_types)
-    num_linear = len(model_config.layer_types) - num_full
+                     kv_dtype: torch.dtype, num_mtp_layers: int = 0) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of one sequence's GDN state) over all layers (and the MTP head's, for
+    speculative decoding), for a rank whose cache widths are `dims` (see `cache_dims()` of the model:
+    num_kv_heads, num_v_heads, conv_dim)."""
+    num_linear = sum(t != FULL_ATTENTION for t in model_config.layer_types)
+    num_full = len(model_config.layer_types) - num_linear + num_mtp_layers
     kv = 2 * num_full * dims["num_kv_heads"] * model_config.head_dim * kv_dtype.itemsize * block_size
     conv = dims["conv_dim"] * (model_config.linear_conv_kernel_dim - 1) * dtype.itemsize
     ssm = dims["num_v_heads"] * model_config.linear_key_head_dim * model_config.linear_value_head_dim * 4
     return kv, num_linear * (conv + ssm)
+
+
+def num_mtp_layers(engine: EngineConfig, model_config: ModelConfig) -> int:
+    """MTP head layers the model is built with and the caches hold KV for: all of the checkpoint's when
+    speculative decoding drafts with the head (draft step s runs layer s % n), else none."""
+    return model_config.mtp_num_hidden_layers if engine.speculative else 0
+
+
+def verify_graph_logits_bytes(engine: EngineConfig, model_config: ModelConfig) -> int:
+    """Bytes of the logits the verify graphs keep, one [bs * (k + 1), vocab] fp32 buffer per captured size."""
+    if not engine.speculative or engine.enforce_eager:
+        return 0
+    sizes = capture_sizes(min(engine.max_num_seqs, engine.cuda_graph_max_batch_size, MAX_VERIFY_GRAPH_BATCH))
+    return sum(sizes) * (engine.num_speculative_tokens + 1) * model_config.vocab_size * 4
 
 
 def model_cache_dims(model_config: ModelConfig, model: nn.Module) -> dict[str, int]:
@@ -66,7 +100,8 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
     dtype, kv_dtype = engine.torch_dtype, engine.kv_torch_dtype
     num_slots = engine.num_state_slots
     dims = model_cache_dims(model_config, model)
-    block_bytes, seq_state_bytes = rank_cache_bytes(model_config, dims, engine.block_size, dtype, kv_dtype)
+    block_bytes, seq_state_bytes = rank_cache_bytes(model_config, dims, engine.block_size, dtype, kv_dtype,
+                                                    num_mtp_layers(engine, model_config))
     state_bytes = num_slots * seq_state_bytes
     if engine.extra.get("num_kv_blocks"):
         return int(engine.extra["num_kv_blocks"]), num_slots
@@ -75,8 +110,9 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * engine.gpu_memory_utilization) - used - peak
-        # CUDA graphs keep their own pool (logits and intermediate buffers of the largest batch).
-        graph_reserve = 0 if engine.enforce_eager else 512 * 2**20
+        # CUDA graphs keep their own pool (logits and intermediate buffers of the largest batch); verify graphs
+        # also keep the fp32 logits of every captured size as their outputs.
+        graph_reserve = 0 if engine.enforce_eager else 512 * 2**20 + verify_graph_logits_bytes(engine, model_config)
         kv_bytes = budget - state_bytes - graph_reserve
         if kv_bytes < 2 * block_bytes:
             raise RuntimeError(
@@ -84,6 +120,8 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
                 f"({used / 2**30:.2f} GiB in use) and activations ({peak / 2**30:.2f} GiB) at "
                 f"--gpu-memory-utilization {engine.gpu_memory_utilization}; GDN states need "
                 f"{state_bytes / 2**30:.2f} GiB for --max-num-seqs {engine.max_num_seqs}"
+                + (f" with {engine.num_speculative_tokens} more per sequence for speculative decoding"
+                   if engine.speculative else "")
                 + (f" and --prefix-cache-slots {engine.prefix_cache_slots}" if engine.enable_prefix_caching else ""))
         return int(kv_bytes // block_bytes), num_slots
     gb = engine.kv_cache_memory_gb or CPU_DEFAULT_KV_GB
@@ -98,13 +136,16 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
     num_tokens = engine.max_num_batched_tokens
     blocks = -(-num_tokens // engine.block_size) + 2
     scratch = ModelCaches.allocate(model_config, blocks, engine.block_size, 2, engine.torch_dtype,
-                                   engine.kv_torch_dtype, device, **model_cache_dims(model_config, model))
+                                   engine.kv_torch_dtype, device, **model_cache_dims(model_config, model),
+                                   num_mtp_layers=num_mtp_layers(engine, model_config))
     batch = ForwardBatch.build([[1] * num_tokens], [0], [list(range(1, blocks))], [1], engine.block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     hidden = model(batch, scratch)
     model.compute_logits(hidden[batch.logits_indices])
+    if engine.speculative:
+        model.mtp_forward(batch.input_ids, hidden, batch, scratch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden
@@ -146,17 +187,25 @@ class ModelRunner:
                                                              self.parallel)
         self.caches = ModelCaches.allocate(model_config, self.num_blocks, self.block_size, self.num_state_slots,
                                            engine.torch_dtype, engine.kv_torch_dtype, self.device,
-                                           **model_cache_dims(model_config, model))
+                                           **model_cache_dims(model_config, model),
+                                           num_mtp_layers=num_mtp_layers(engine, model_config))
         scales = getattr(model, "kv_scales", lambda: {})()
         if engine.kv_torch_dtype == torch.float8_e4m3fn:
             for layer_id, (ks, vs) in scales.items():
                 cache = self.caches.kv[layer_id]
                 assert cache is not None
                 cache.k_scale, cache.v_scale = ks, vs
-        self.max_num_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_spec_tokens = engine.num_speculative_tokens
+        # a verify step and its drafts reach 2 * num_spec_tokens positions past the computed tokens
+        self.max_seq_len = max_model_len + 2 * self.num_spec_tokens
+        self.max_num_blocks_per_seq = -(-self.max_seq_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         if self.device.type == "cuda" and not engine.enforce_eager:
-            self._capture_graphs()
+            if engine.speculative:
+                self._capture_verify_graphs()
+            else:
+                self._capture_graphs()
         if self.parallel.is_parallel and self.parallel.host_min(int(self.graphs is not None)) == 0:
             # A rank replaying a graph while another runs eagerly would pad differently: all or none.
             self.graphs = None
@@ -175,6 +224,21 @@ class ModelRunner:
         self.graphs = graphs
         logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
 
+    def _capture_verify_graphs(self) -> None:
+        t0 = time.perf_counter()
+        max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size, MAX_VERIFY_GRAPH_BATCH)
+        graphs = VerifyGraphs(self.model, self.caches, max_bs, self.num_spec_tokens, self.max_num_blocks_per_seq,
+                              self.max_seq_len, self.block_size, self.device)
+        try:
+            graphs.capture()
+        except Exception as e:  # any capture failure means: run eagerly
+            logger.warning("CUDA graph capture of verify steps failed (%s: %s); they run eagerly",
+                           type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return
+        self.verify_graphs = graphs
+        logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
+
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch, inflight_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:
@@ -189,16 +253,80 @@ class ModelRunner:
             self.broadcast(step)
         return self.run(step, inflight_tokens), step.sample_rows
 
-    @torch.inference_mode()
-    def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
-        sampled."""
+    def _prepare_caches(self, step: StepInputs) -> None:
         if step.state_copies:
             self.caches.copy_state_slots(step.state_copies)
         if step.block_copies:
             self.caches.copy_kv_blocks(step.block_copies)
         if step.new_state_slots:
             self.caches.reset_state_slots(step.new_state_slots)
+
+    @torch.inference_mode()
+    def execute_spec(self, sched: ScheduledBatch, generator: torch.Generator | None,
+                     bitmask: Callable[[list[Request]], tuple[list[int], torch.Tensor] | None]) -> SpecStepOutput:
+        """Run one step under speculative decoding and wait for its tokens (spec_decode.py): a verify step
+        (sched.spec_verify) or a prefill step. bitmask(requests): the structured-output bitmask of the rows
+        sampled by the regular sampler."""
+        step = StepInputs.from_schedule(sched, speculative=True)
+        self._prepare_caches(step)
+        if sched.spec_verify:
+            return self._verify(step, sched.requests, generator, bitmask)
+        batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
+                                   self.block_size, self.device)
+        hidden = self.model(batch, self.caches)
+        rows = step.sample_rows
+        sampled = [sched.requests[i] for i in rows]
+        pending = None
+        if rows:
+            idx = batch.logits_indices[to_device_async(torch.tensor(rows, dtype=torch.int64), self.device)]
+            pending = sample_launch(self.model.compute_logits(hidden[idx]), sampled, generator, bitmask(sampled))
+        drafts = draft_after_prefill(self.model, self.caches, batch, hidden, step.next_token_ids, rows,
+                                     pending.token_ids if pending is not None else None, self.block_size,
+                                     self.num_spec_tokens)
+        if pending is None or drafts is None:
+            return SpecStepOutput([], [], [], [], [])
+        host_drafts = drafts.cpu().tolist()
+        result = pending.result()
+        return SpecStepOutput(rows, [[t] for t in result.token_ids], host_drafts, result.bad_rows, result.logprobs)
+
+    def _verify(self, step: StepInputs, requests: list[Request], generator: torch.Generator | None,
+                bitmask: Callable[[list[Request]], tuple[list[int], torch.Tensor] | None]) -> SpecStepOutput:
+        num_seqs, n = step.num_seqs, self.num_spec_tokens + 1
+        graphs = self.verify_graphs
+        bs = graphs.padded_size(num_seqs) if graphs is not None else None
+        if graphs is not None and bs is not None:
+            graphs.load(bs, step.token_ids, step.context_lens, step.block_tables, step.spec_slots)
+            logits = graphs.run_target(bs)[:num_seqs]
+        else:
+            batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
+                                       self.block_size, self.device)
+            batch.spec_slots = to_device_async(torch.tensor(step.spec_slots, dtype=torch.int32), self.device)
+            hidden = self.model(batch, self.caches)
+            logits = self.model.compute_logits(hidden).view(num_seqs, n, -1)
+        drafts_in = to_device_async(torch.tensor([t[1:] for t in step.token_ids], dtype=torch.int64), self.device)
+        acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests))
+        if graphs is not None and bs is not None:
+            drafts = graphs.run_draft(bs, acc.tokens, acc.num_accepted)[:num_seqs]
+        else:
+            drafts = draft_after_verify(self.model, self.caches, batch, hidden, batch.input_ids.view(num_seqs, n),
+                                        acc.tokens, acc.num_accepted, self.block_size, self.num_spec_tokens,
+                                        max(step.context_lens) + 2 * self.num_spec_tokens)
+        host = torch.cat((acc.tokens, acc.num_accepted[:, None], acc.bad[:, None].long(), drafts), dim=1).cpu()
+        rows = host.tolist()
+        full = acc.full.result() if acc.full is not None else None
+        logprobs: list[TokenLogprobs | None] = [None] * num_seqs
+        if full is not None:
+            for j, i in enumerate(acc.full_rows):
+                logprobs[i] = full.logprobs[j]
+        tokens = [r[: r[n] + 1] for r in rows]
+        bad = [i for i, r in enumerate(rows) if r[n + 1]]
+        return SpecStepOutput(list(range(num_seqs)), tokens, [r[n + 2:] for r in rows], bad, logprobs)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
+        sampled."""
+        self._prepare_caches(step)
         num_seqs = step.num_seqs
         sample_rows = step.sample_rows
         if (self.graphs is not None and step.is_decode and num_seqs == len(sample_rows)

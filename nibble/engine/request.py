@@ -55,6 +55,10 @@ class Request:
     it sampled: `pending_rows` holds, per such token (oldest first), its row in that step's sampled tokens.
     Pending tokens count in `num_tokens` (they are fed like known ones) but not in `output_token_ids`;
     `token_slice` returns them as `PENDING_BASE - row`, which the model runner replaces on the device.
+
+    Speculative decoding (spec_decode.py): `draft_token_ids` are the MTP head's guesses of the tokens after
+    the last one, fed with it in the next verify step (not part of the request's tokens); `spec_slots` are
+    the GDN slots besides `state_slot` where that step leaves the states after each draft.
     """
 
     request_id: str
@@ -78,6 +82,8 @@ class Request:
     num_cached_tokens: int = 0
     cache_split_at: int | None = None
     cacheable: bool = True
+    spec_slots: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
 
     @property

@@ -11,6 +11,11 @@ its state slot is filled by a copy instead of being zeroed, and its prefill star
 prompt that shares blocks with an earlier prompt has its prefill cut at the end of the shared part, and
 the round after the cut copies its state into a new entry; new requests sharing that prefix wait for it. A
 request that ends leaves its blocks and state to an entry of everything it computed.
+
+With speculative decoding (num_spec_tokens > 0) steps are either verify steps, where each decoding
+request feeds its last token and its draft tokens, or prefill steps; the two alternate while both have
+work. A verify step holds blocks for 2 * num_spec_tokens tokens past the request's computed ones: the
+verified tokens and the MTP head's KV writes for the next drafts.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from nibble.engine.request import Request, RequestStatus
 class ScheduledBatch:
     """What one step runs: requests with the number of tokens each feeds, and before it the GDN state
     copies (source slot, destination slot), the KV block copies (source block, destination block) and
-    then the slots to zero."""
+    then the slots to zero. spec_verify: a speculative verify step (each request feeds its last token and
+    its draft tokens; num_new_tokens counts both)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -34,6 +40,7 @@ class ScheduledBatch:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    spec_verify: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +52,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_spec_tokens: int = 0) -> None:
         self.blocks = block_manager
+        self.num_spec_tokens = num_spec_tokens
+        self._last_verify = False
+        self._pending_state_copies: list[tuple[int, int]] = []
+        self._pending_block_copies: list[tuple[int, int]] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -113,7 +125,8 @@ class Scheduler:
         if prefix is not None and first:
             self.blocks.plan_split(req)
         n = self._chunk(req, budget)
-        if not self.blocks.can_allocate(req, n) or not self.blocks.allocate_slot(req):
+        n_alloc = self._alloc_len(req, n)
+        if not self.blocks.can_allocate(req, n_alloc) or not self.blocks.allocate_slot(req):
             self.blocks.free(req)
             req.num_computed_tokens = 0
             return False
@@ -129,7 +142,7 @@ class Scheduler:
                 out.block_copies.append(block_copy)
         else:
             out.new_state_slots.append(req.state_slot)
-        self.blocks.allocate(req, n)
+        self.blocks.allocate(req, n_alloc)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.requests.append(req)
@@ -137,14 +150,66 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduledBatch:
-        out = ScheduledBatch()
+        if not self.num_spec_tokens:
+            return self._keep_copies(self._schedule(verify=False))
+        # Speculative decoding: a step is either a verify step (every decoding request feeds its last token and
+        # its drafts) or a prefill step; they alternate while both have work, so that neither new requests nor
+        # running ones wait on the other.
+        has_decode = any(self.is_spec_decode(r) for r in self.running)
+        verify = has_decode and (not self._last_verify or not self._has_prefill_work())
+        out = self._schedule(verify)
+        if out.empty and has_decode and not verify:
+            retry = self._schedule(verify=True)
+            retry.state_copies[:0] = out.state_copies
+            retry.block_copies[:0] = out.block_copies
+            retry.num_preempted += out.num_preempted
+            out = retry
+        self._last_verify = out.spec_verify
+        return self._keep_copies(out)
+
+    def _keep_copies(self, out: ScheduledBatch) -> ScheduledBatch:
+        """Copies a round decided (a cut's state into its new entry) must run even when the round scheduled
+        no request: they wait for the next batch that runs, ahead of its own."""
+        if out.empty:
+            self._pending_state_copies += out.state_copies
+            self._pending_block_copies += out.block_copies
+            out.state_copies, out.block_copies = [], []
+        elif self._pending_state_copies or self._pending_block_copies:
+            out.state_copies[:0] = self._pending_state_copies
+            out.block_copies[:0] = self._pending_block_copies
+            self._pending_state_copies, self._pending_block_copies = [], []
+        return out
+
+    def is_spec_decode(self, req: Request) -> bool:
+        """Whether a running request is past its prefill with drafts to verify (speculative decoding)."""
+        return req.num_tokens - req.num_computed_tokens == 1 and len(req.draft_token_ids) == self.num_spec_tokens
+
+    def _has_prefill_work(self) -> bool:
+        return bool(self.waiting) or any(not self.is_spec_decode(r) for r in self.running)
+
+    def _alloc_len(self, req: Request, n: int) -> int:
+        """Tokens to hold blocks for when feeding n: under speculative decoding a chunk that ends the known
+        tokens is followed by the MTP head's draft steps, which write its KV up to num_spec_tokens - 1
+        positions further."""
+        if self.num_spec_tokens and req.num_computed_tokens + n == req.num_tokens:
+            return n + self.num_spec_tokens - 1
+        return n
+
+    def _schedule(self, verify: bool) -> ScheduledBatch:
+        out = ScheduledBatch(spec_verify=verify)
         self.blocks.begin_round()
         if self.blocks.prefix is not None and self.blocks.prefix.splitting:  # a cut is under way
             self._take_cache_points(out)
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        # Decodes first (one token each) so running requests keep their pace, then running prefills.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        k = self.num_spec_tokens
+        # Decodes first (one token each) so running requests keep their pace, then running prefills. Verify
+        # steps take the requests furthest behind first, so that a token budget too small for all of them
+        # cannot leave the same ones out step after step.
+        if verify:
+            order = sorted(self.running, key=lambda r: r.num_output_tokens)
+        else:
+            order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for req in order:
             if req not in self.running or budget <= 0:
                 continue
@@ -152,10 +217,18 @@ class Scheduler:
             done = max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= max_tokens
             if req.pending_rows and done:
                 continue  # finishes when its pending tokens are seen: another step would run past its end
-            n = self._chunk(req, budget)
+            if k and self.is_spec_decode(req) != verify:
+                continue
+            if verify:
+                n, n_alloc = k + 1, 2 * k
+                if n > budget:
+                    continue
+            else:
+                n = self._chunk(req, budget)
+                n_alloc = self._alloc_len(req, n)
             if n <= 0:
                 continue
-            while not self.blocks.can_allocate(req, n):
+            while not self.blocks.can_allocate(req, n_alloc):
                 victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
                 if victim is None:
                     break
@@ -163,15 +236,15 @@ class Scheduler:
                 out.num_preempted += 1
                 if victim is req:
                     break
-            if req not in self.running or not self.blocks.can_allocate(req, n):
+            if req not in self.running or not self.blocks.can_allocate(req, n_alloc):
                 continue
-            self.blocks.allocate(req, n)
+            self.blocks.allocate(req, n_alloc)
             out.requests.append(req)
             out.num_new_tokens.append(n)
             scheduled.add(req.request_id)
             budget -= n
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not verify and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             if self.blocks.awaits_cut(req):
                 i += 1  # starts from the cached prefix once the request being cut there gets that far

@@ -38,6 +38,8 @@ class StepInputs:
     sample_rows: list[int]
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    spec_slots: list[list[int]] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -48,8 +50,26 @@ class StepInputs:
         return all(len(t) == 1 for t in self.token_ids)
 
     @classmethod
-    def from_schedule(cls, sched: ScheduledBatch) -> StepInputs:
+    def from_schedule(cls, sched: ScheduledBatch, speculative: bool = False) -> StepInputs:
         reqs = sched.requests
+        if sched.spec_verify:
+            return cls(
+                token_ids=[r.token_slice(r.num_computed_tokens, r.num_computed_tokens + 1) + r.draft_token_ids
+                           for r in reqs],
+                context_lens=[r.num_computed_tokens for r in reqs],
+                block_tables=[r.block_ids for r in reqs],
+                state_slots=[r.state_slot for r in reqs],  # type: ignore[misc]
+                new_state_slots=list(sched.new_state_slots),
+                sample_rows=list(range(len(reqs))),
+                state_copies=list(sched.state_copies),
+                block_copies=list(sched.block_copies),
+                spec_slots=[[r.state_slot, *r.spec_slots] for r in reqs],  # type: ignore[list-item]
+            )
+        next_ids = []
+        if speculative:
+            for r, n in zip(reqs, sched.num_new_tokens):
+                end = r.num_computed_tokens + n
+                next_ids.append(r.token_slice(end, end + 1)[0] if end < r.num_tokens else -1)
         return cls(
             token_ids=[r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
                        for r, n in zip(reqs, sched.num_new_tokens)],
@@ -61,10 +81,13 @@ class StepInputs:
                          if r.num_computed_tokens + n == r.num_tokens],
             state_copies=list(sched.state_copies),
             block_copies=list(sched.block_copies),
+            next_token_ids=next_ids,
         )
 
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
+        if self.spec_slots or self.next_token_ids:
+            raise RuntimeError("speculative decoding steps are not sent to tensor-parallel ranks")
         n = self.num_seqs
         head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies)]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,

@@ -6,6 +6,9 @@ value heads its key heads serve, so the recurrence is rank-local). in_proj_qkv's
 [q (all key heads) | k (all key heads) | v (all value heads)]: a rank takes its heads' slice of each part,
 and the conv1d channels the same way; z, b, a, A_log and dt_bias go by value head; out_proj is
 row-parallel. The state pool of a rank holds its heads only.
+
+In a speculative verify step (`ForwardBatch.spec_slots`) the conv and delta-rule kernels leave the state
+after each of a sequence's tokens in its own slot instead of updating the sequence's slot in place.
 """
 
 from __future__ import annotations
@@ -74,13 +77,20 @@ class GatedDeltaNet(nn.Module):
         assert self.neg_A is not None, "GatedDeltaNet.finalize() was not called after loading weights"
         num_tokens = hidden.shape[0]
         qkv, z, b, a = self.in_proj(hidden)
-        qkv = self.kernels.causal_conv1d(qkv, self.conv_weight, state.conv, batch.cu_seqlens_q,
-                                         batch.state_slots)
+        spec = batch.spec_slots
+        if spec is not None:
+            qkv = self.kernels.causal_conv1d_spec(qkv, self.conv_weight, state.conv, batch.state_slots, spec)
+        else:
+            qkv = self.kernels.causal_conv1d(qkv, self.conv_weight, state.conv, batch.cu_seqlens_q,
+                                             batch.state_slots)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.key_head_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.value_head_dim)
-        if batch.is_decode:
+        if spec is not None:
+            o = self.kernels.gated_delta_rule_spec(q, k, v, a, b, self.neg_A, self.dt_bias, state.ssm,
+                                                   batch.state_slots, spec)
+        elif batch.is_decode:
             o = self.kernels.gated_delta_rule_decode(q, k, v, a, b, self.neg_A, self.dt_bias, state.ssm,
                                                      batch.state_slots)
         else:

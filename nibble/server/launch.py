@@ -30,7 +30,7 @@ _ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "seed", "moe_backend",
     "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
-    "enable_prefix_caching", "prefix_cache_slots",
+    "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
 )
 
 
@@ -92,6 +92,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--prefix-cache-slots", type=int, default=None,
                         help="GDN state slots set aside for cached prefixes, beyond one per sequence; each holds "
                              "one prefix's recurrent state (default: 16)")
+    engine.add_argument("--speculative-config", default=None,
+                        help="speculative decoding, as vLLM's flag: "
+                             '\'{"method": "mtp", "num_speculative_tokens": 2}\' drafts with the model\'s MTP head '
+                             "(default: off)")
+    engine.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens per step from the model's MTP head (0 = off; default: 0)")
     engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch captured in a CUDA graph (default: 256)")
     engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")
@@ -106,6 +112,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    spec = getattr(args, "speculative_config", None)
+    if spec:
+        from nibble.engine.config import parse_speculative_config
+
+        kwargs = {**parse_speculative_config(spec), **kwargs}
     kwargs.setdefault("model", "demo")
     return kwargs
 

@@ -57,6 +57,10 @@ class _EngineCollector(Collector):
                       stats.get("prefix_cache_queries", 0))
         yield counter("nibble:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       stats.get("prefix_cache_hits", 0))
+        yield counter("nibble:spec_decode_num_draft_tokens", "Draft tokens proposed by the MTP head.",
+                      stats.get("spec_decode_num_draft_tokens", 0))
+        yield counter("nibble:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target model.",
+                      stats.get("spec_decode_num_accepted_tokens", 0))
 
 
 class ServerMetrics:
