@@ -66,6 +66,8 @@ class _Oracle:
     def execute_spec(self, sched, *args):  # type: ignore[no-untyped-def]
         if sched.spec_verify:
             for req in sched.requests:
+                if req.request_id not in self.refs:
+                    continue  # no reference: the head's own drafts
                 ref = req.prompt_token_ids + self.refs[req.request_id]
                 start = req.num_computed_tokens + 1
                 row = [ref[p] if p < len(ref) else 0 for p in range(start, start + self.k)]
@@ -255,3 +257,32 @@ def test_a_non_finite_logit_only_fails_the_row_whose_token_it_gives() -> None:
     acc = accept_drafts(logits, torch.tensor([[1, 2], [1, 1]]), greedy)
     assert acc.num_accepted.tolist() == [1, 1] and acc.bad.tolist() == [False, True]
     assert acc.tokens[0, :2].tolist() == [1, 1]
+
+
+def test_mixed_traffic_with_aborts_matches_plain(plain: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests of assorted lengths arriving while others decode (verify and prefill steps alternating), one
+    aborted mid-run: every greedy output equals plain decoding's and nothing is left allocated."""
+    prompts = _prompts(6, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(6)]
+    ref = _run(plain, prompts, params)
+    spec = _engine(num_speculative_tokens=3, max_num_batched_tokens=48)
+    _Oracle(spec, ref, 3, 0.35).install(monkeypatch)
+    out: dict[str, list[int]] = {}
+    for i in range(3):
+        spec.add_request(f"r{i}", prompts[i], params[i])
+    spec.add_request("gone", prompts[0], params[5])
+    steps = 0
+    while spec.has_unfinished_requests():
+        steps += 1
+        if steps == 3:
+            for i in range(3, 6):
+                spec.add_request(f"r{i}", prompts[i], params[i])
+        gone = spec.requests.get("gone")
+        if gone is not None and gone.num_output_tokens >= 3:  # aborted while decoding
+            aborted = spec.abort_request("gone")
+            assert aborted is not None and aborted.finished
+        for o in spec.step():
+            if o.finished and o.request_id != "gone":
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    assert out == ref and "gone" not in spec.requests
+    assert spec.blocks.all_free()

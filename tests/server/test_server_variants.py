@@ -160,3 +160,34 @@ def test_stopped_engine(model_kwargs: dict[str, Any]) -> None:
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     finally:
         handle.stop()
+
+
+def test_speculative_decoding_server_matches_plain(engine: AsyncEngine, server: ServerHandle,
+                                                   model_kwargs: dict[str, Any]) -> None:
+    """A server with MTP speculative decoding answers chat completions (plain and streamed) with the same greedy
+    text and usage as the shared server, and exports the draft counters."""
+    spec_engine = make_engine(model_kwargs, num_speculative_tokens=2)
+    handle = start_server(spec_engine)
+    chat = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    completion = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=60) as http:
+            def both(path: str, body: dict[str, Any]) -> tuple[Any, Any]:
+                return tuple(http.post(f"{h.url}{path}", json={**body, "model": h.model}).json()
+                             for h in (server, handle))
+
+            ref, got = both("/v1/chat/completions", chat)
+            assert got["choices"][0]["message"] == ref["choices"][0]["message"]
+            assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"] == 24
+            ref, got = both("/v1/completions", completion)
+            assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+            with http.stream("POST", f"{handle.url}/v1/completions",
+                             json={**completion, "model": handle.model, "stream": True}) as r:
+                chunks = [p for p in sse_payloads(r) if p != "[DONE]"]
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref["choices"][0]["text"]
+            metrics = http.get(f"{handle.url}/metrics").text
+            assert "nibble:spec_decode_num_draft_tokens" in metrics
+    finally:
+        handle.stop()
+        spec_engine.shutdown()
