@@ -286,3 +286,30 @@ def test_mixed_traffic_with_aborts_matches_plain(plain: LLMEngine, monkeypatch: 
                 out[o.request_id] = list(o.outputs[0].token_ids)
     assert out == ref and "gone" not in spec.requests
     assert spec.blocks.all_free()
+
+
+def test_logprobs_of_accepted_tokens_match_plain_decoding(plain: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = _prompts(2, seed=31)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run(engine: LLMEngine) -> dict[str, list]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        out: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].logprobs or [])
+        return out
+
+    ref = run(plain)
+    spec = _engine(num_speculative_tokens=3)
+    _Oracle(spec, {k: [lp.token_id for lp in v] for k, v in ref.items()}, 3, 0.0).install(monkeypatch)
+    got = run(spec)
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > 0  # log-prob rows accept drafts
+    for rid, lps in ref.items():
+        assert [lp.token_id for lp in got[rid]] == [lp.token_id for lp in lps]
+        for a, b in zip(got[rid], lps):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top.keys() == b.top.keys() and len(a.top) == 3
+            assert all(a.top[t] == pytest.approx(b.top[t], abs=1e-4) for t in a.top)

@@ -361,7 +361,8 @@ class LLMEngine:
                     # it is appended, so a request ending here leaves a consistent prefix-cache entry
                     req.num_computed_tokens = context + 1 + t
                     self.blocks.accept_spec_state(req, group, t)  # type: ignore[arg-type]
-                self._append_token(req, token, out.logprobs[j] if t == 0 else None)
+                lps = out.logprobs[j]
+                self._append_token(req, token, lps[t] if lps is not None else None)
                 if req.finished:
                     break
             if not req.finished:

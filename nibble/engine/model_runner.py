@@ -42,13 +42,13 @@ MAX_VERIFY_GRAPH_BATCH = 64
 class SpecStepOutput:
     """What a speculative-decoding step produced, per sampled row (rows: indices into the step's requests):
     tokens (accepted drafts, then the new token), the next drafts, rows (positions in `rows`) whose logits
-    were not finite, and log-probs (rows sampled by the regular sampler only)."""
+    were not finite, and the log-probs of each token (None for rows that did not ask for them)."""
 
     rows: list[int]
     tokens: list[list[int]]
     drafts: list[list[int]]
     bad_rows: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[list[TokenLogprobs] | None]
 
 
 def rank_cache_bytes(model_config: ModelConfig, dims: dict[str, int], block_size: int, dtype: torch.dtype,
@@ -287,7 +287,8 @@ class ModelRunner:
             return SpecStepOutput([], [], [], [], [])
         host_drafts = drafts.cpu().tolist()
         result = pending.result()
-        return SpecStepOutput(rows, [[t] for t in result.token_ids], host_drafts, result.bad_rows, result.logprobs)
+        return SpecStepOutput(rows, [[t] for t in result.token_ids], host_drafts, result.bad_rows,
+                              [[lp] if lp is not None else None for lp in result.logprobs])
 
     def _verify(self, step: StepInputs, requests: list[Request], generator: torch.Generator | None,
                 bitmask: Callable[[list[Request]], tuple[list[int], torch.Tensor] | None]) -> SpecStepOutput:
@@ -314,11 +315,18 @@ class ModelRunner:
         host = torch.cat((acc.tokens, acc.num_accepted[:, None], acc.bad[:, None].long(), drafts), dim=1).cpu()
         rows = host.tolist()
         full = acc.full.result() if acc.full is not None else None
-        logprobs: list[TokenLogprobs | None] = [None] * num_seqs
+        tokens = [r[: r[n] + 1] for r in rows]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * num_seqs
         if full is not None:
             for j, i in enumerate(acc.full_rows):
-                logprobs[i] = full.logprobs[j]
-        tokens = [r[: r[n] + 1] for r in rows]
+                lp = full.logprobs[j]
+                logprobs[i] = [lp] if lp is not None else None
+        if acc.logprob_rows:
+            chosen, *top = (t.cpu().tolist() for t in acc.logprob_parts)
+            for j, i in enumerate(acc.logprob_rows):
+                want = requests[i].sampling_params.logprobs or 0
+                logprobs[i] = [TokenLogprobs(tok, chosen[j][t], dict(zip(top[1][j][t][:want], top[0][j][t][:want]))
+                                             if top else {}) for t, tok in enumerate(tokens[i])]
         bad = [i for i, r in enumerate(rows) if r[n + 1]]
         return SpecStepOutput(list(range(num_seqs)), tokens, [r[n + 2:] for r in rows], bad, logprobs)
 

@@ -8,15 +8,17 @@ at the first rejection and sample the replacement from p_j without the rejected 
 accepted, sample one more token from p_{n-1}. The tokens produced are distributed exactly as sampling the
 target model one token at a time. Greedy rows accept a draft iff it is the arg-max.
 
-Rows that need host-side state or per-token outputs (penalties, logit bias, structured outputs, log-probs,
-min_tokens not reached yet) accept no draft: their one token is sampled from position 0 by the regular
-sampler (sampler.py), so everything it supports keeps working, one token per step.
+Rows that need host-side state (penalties, logit bias, structured outputs, min_tokens not reached yet)
+accept no draft: their one token is sampled from position 0 by the regular sampler (sampler.py), so
+everything it supports keeps working, one token per step. Log-probabilities (of the raw target
+distribution, as the regular sampler reports them) are computed for every position of the rows that want
+them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +29,7 @@ from nibble.engine.sampler import PendingSample, _filter, _on, sample_launch
 def needs_full_sampler(req: Request) -> bool:
     """Whether the request's next token must come from the regular sampler (no drafts accepted)."""
     sp = req.sampling_params
-    return (sp.needs_penalties or bool(sp.logit_bias) or req.grammar is not None or sp.logprobs is not None
+    return (sp.needs_penalties or bool(sp.logit_bias) or req.grammar is not None
             or req.num_output_tokens < sp.min_tokens)
 
 
@@ -35,13 +37,17 @@ def needs_full_sampler(req: Request) -> bool:
 class Acceptance:
     """tokens: int64 [B, n] (row b: its accepted drafts, then the token sampled after them, then padding);
     num_accepted: int64 [B]; bad: bool [B] (non-finite target logits); full: the regular sampler's result
-    for the rows in full_rows (its tokens are tokens[full_rows, 0])."""
+    for the rows in full_rows (its tokens are tokens[full_rows, 0]); logprob_rows: the other rows that want
+    log-probs, with logprob_parts: the log-prob of tokens[row, j] [L, n], and when some row wants top
+    alternatives, their values and ids [L, n, max_top]."""
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     bad: torch.Tensor
     full_rows: list[int]
     full: PendingSample | None
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_parts: tuple[torch.Tensor, ...] = ()
 
 
 # Sampled rows are filtered in groups of this many sequences: [group * n, V] fp32 probabilities and their
@@ -92,7 +98,16 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Req
     cols = torch.arange(n, device=device)[None, :]
     tokens = torch.where(cols < num_accepted[:, None], padded, bonus[:, None])
     bad = bad_pos.gather(1, num_accepted[:, None])[:, 0]
-    return Acceptance(tokens, num_accepted, bad, full_rows, full)
+    lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None and i not in full_set]
+    parts: tuple[torch.Tensor, ...] = ()
+    if lp_rows:
+        lidx = _on(lp_rows, torch.int64, device)
+        raw = torch.log_softmax(logits[lidx], dim=-1)
+        parts = (raw.gather(-1, tokens[lidx][..., None])[..., 0],)
+        max_top = max(requests[i].sampling_params.logprobs or 0 for i in lp_rows)
+        if max_top > 0:
+            parts += tuple(torch.topk(raw, max_top, dim=-1))
+    return Acceptance(tokens, num_accepted, bad, full_rows, full, lp_rows, parts)
 
 
 def _draw(logits: torch.Tensor, drafts: torch.Tensor, rows: list[int], requests: list[Request],
