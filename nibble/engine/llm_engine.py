@@ -347,11 +347,7 @@ class LLMEngine:
                 self.num_draft_tokens += self.num_spec_tokens
                 self.num_accepted_tokens += len(tokens) - 1
             if j in out.bad_rows:
-                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {self.num_steps} "
-                             f"for this request; generation stopped")
-                logger.error("non-finite logits: request %s, step %d", req.request_id, self.num_steps)
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(req))
+                outputs.append(self._fail_non_finite(req, self.num_steps, sched))
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -444,19 +440,22 @@ class LLMEngine:
             if req.pending_rows:
                 req.pending_rows.pop(0)
             if j in result.bad_rows:
-                req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {launched.step} "
-                             f"for this request; generation stopped")
-                logger.error("non-finite logits: request %s, step %d, batch of %d sequences (%d tokens)",
-                             req.request_id, launched.step, len(launched.sched.requests),
-                             launched.sched.num_tokens)
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(req))
+                outputs.append(self._fail_non_finite(req, launched.step, launched.sched))
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
             self._append_token(req, result.token_ids[j], result.logprobs[j])
             outputs.append(self._output(req))
         return outputs
+
+    def _fail_non_finite(self, req: Request, step: int, sched: ScheduledBatch) -> RequestOutput:
+        """End a request whose row of engine step `step` had non-finite logits; its final output."""
+        req.error = (f"the model produced non-finite logits (NaN/Inf) at engine step {step} for this request; "
+                     "generation stopped")
+        logger.error("non-finite logits: request %s, step %d, batch of %d sequences (%d tokens)",
+                     req.request_id, step, len(sched.requests), sched.num_tokens)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return self._output(req)
 
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> None:
         sp = req.sampling_params

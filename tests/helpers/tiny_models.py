@@ -221,6 +221,28 @@ def _copy_tokenizer(src: Path, dst: Path, vocab_size: int) -> None:
             shutil.copy2(src / file, dst / file)
 
 
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """The text config of a checkpoint's config.json (either layout) as Qwen3_5MoeTextConfig arguments."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = dict(raw.get("text_config", raw))
+    for key in ("architectures", "quantization_config", "transformers_version", "model_type"):
+        text.pop(key, None)
+    return text
+
+
+def _dequantized(raw_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 tensors with every NVFP4 weight dequantized exactly and its scale tensors dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in raw_tensors.items():
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        if t.dtype == torch.uint8:
+            module = name[: -len(".weight")]
+            t = dequantize(t, raw_tensors[f"{module}.weight_scale"], raw_tensors[f"{module}.weight_scale_2"])
+        out[name] = t.float()
+    return out
+
+
 def load_dequantized_reference(nvfp4_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers `Qwen3_5MoeForCausalLM` (eval mode, `dtype`) holding the checkpoint's language
     model, NVFP4 linears dequantized exactly (e2m1 * e4m3 block scale * weight_scale_2) with
@@ -228,11 +250,7 @@ def load_dequantized_reference(nvfp4_dir: str | Path, dtype: torch.dtype = torch
     vision and MTP tensors are ignored."""
     transformers = _transformers()
     model_dir = Path(nvfp4_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    text = dict(raw.get("text_config", raw))
-    for key in ("architectures", "quantization_config", "transformers_version", "model_type"):
-        text.pop(key, None)
-    config = transformers.Qwen3_5MoeTextConfig(**text)
+    config = transformers.Qwen3_5MoeTextConfig(**_text_config(model_dir))
     with torch.random.fork_rng(devices=[]):
         model = transformers.Qwen3_5MoeForCausalLM(config)
 
@@ -243,15 +261,7 @@ def load_dequantized_reference(nvfp4_dir: str | Path, dtype: torch.dtype = torch
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         raw_tensors[name] = t
-    weights: dict[str, torch.Tensor] = {}
-    for name, t in raw_tensors.items():
-        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
-            continue
-        if t.dtype == torch.uint8:
-            module = name[: -len(".weight")]
-            t = dequantize(t, raw_tensors[f"{module}.weight_scale"], raw_tensors[f"{module}.weight_scale_2"])
-        weights[name] = t.float()
-    state = _fuse_experts(weights)
+    state = _fuse_experts(_dequantized(raw_tensors))
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(dtype).eval()
 
@@ -269,22 +279,10 @@ class MTPReference(torch.nn.Module):
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
         model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
-        text = dict(raw.get("text_config", raw))
-        for key in ("architectures", "quantization_config", "transformers_version", "model_type"):
-            text.pop(key, None)
-        config = qwen.Qwen3_5MoeTextConfig(**text)
+        config = qwen.Qwen3_5MoeTextConfig(**_text_config(model_dir))
         config._attn_implementation = "eager"
-        raw_tensors = {name: t for name, t, _ in iter_tensors(list_shards(model_dir))
-                       if name.startswith("mtp.") or name.endswith("embed_tokens.weight")}
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in raw_tensors.items():
-            if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
-                continue
-            if t.dtype == torch.uint8:
-                module = name[: -len(".weight")]
-                t = dequantize(t, raw_tensors[f"{module}.weight_scale"], raw_tensors[f"{module}.weight_scale_2"])
-            tensors[name] = t.float()
+        tensors = _dequantized({name: t for name, t, _ in iter_tensors(list_shards(model_dir))
+                                if name.startswith("mtp.") or name.endswith("embed_tokens.weight")})
         (embed,) = [t for n, t in tensors.items() if n.endswith("embed_tokens.weight")]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         with torch.random.fork_rng(devices=[]):
