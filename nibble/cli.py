@@ -28,6 +28,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-max-mixed-tokens", type=int, default=512,
+                   help="largest prefill or mixed prefill+decode step, in tokens, run from a CUDA graph (0: such "
+                        "steps run eagerly; at most 512; default: 512)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before scheduling the next (default: overlap them)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -52,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        cuda_graph_max_mixed_tokens=args.cuda_graph_max_mixed_tokens,
         async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,

@@ -68,6 +68,7 @@ class EngineConfig:
     async_scheduling: bool = True
     warmup: bool = True
     cuda_graph_max_batch_size: int = 256
+    cuda_graph_max_mixed_tokens: int = 512
     seed: int = 0
     moe_backend: str | None = None
     attention_backend: str | None = None
@@ -100,6 +101,10 @@ class EngineConfig:
               f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"--max-model-len must be >= 1, got {self.max_model_len}")
+        check(self.cuda_graph_max_batch_size >= 1,
+              f"--cuda-graph-max-batch-size must be >= 1, got {self.cuda_graph_max_batch_size}")
+        check(self.cuda_graph_max_mixed_tokens >= 0,
+              f"--cuda-graph-max-mixed-tokens must be >= 0, got {self.cuda_graph_max_mixed_tokens}")
         check(self.prefix_cache_slots >= 0, f"--prefix-cache-slots must be >= 0, got {self.prefix_cache_slots}")
         check(self.speculative_method in SPECULATIVE_METHODS,
               f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got '{self.speculative_method}'")

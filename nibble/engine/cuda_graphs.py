@@ -48,6 +48,7 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: tuple | None = None
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -63,6 +64,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool (`self.pool`, which other graphs may share)."""
         pool = None
         for bs in reversed(self.sizes):
             self._step(bs)
@@ -74,6 +76,7 @@ class DecodeGraphs:
                 pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 

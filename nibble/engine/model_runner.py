@@ -20,6 +20,7 @@ from torch import nn
 
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
 from nibble.engine.request import PENDING_BASE, Request, TokenLogprobs
 from nibble.engine.sampler import sample_launch
 from nibble.engine.scheduler import ScheduledBatch
@@ -200,15 +201,20 @@ class ModelRunner:
         self.max_seq_len = max_model_len + 2 * self.num_spec_tokens
         self.max_num_blocks_per_seq = -(-self.max_seq_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         if self.device.type == "cuda" and not engine.enforce_eager:
             if engine.speculative:
                 self._capture_verify_graphs()
             else:
                 self._capture_graphs()
-        if self.parallel.is_parallel and self.parallel.host_min(int(self.graphs is not None)) == 0:
+                self._capture_mixed_graphs()
+        if self.parallel.is_parallel:
             # A rank replaying a graph while another runs eagerly would pad differently: all or none.
-            self.graphs = None
+            if self.parallel.host_min(int(self.graphs is not None)) == 0:
+                self.graphs = None
+            if self.parallel.host_min(int(self.mixed_graphs is not None)) == 0:
+                self.mixed_graphs = None
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
@@ -223,6 +229,24 @@ class ModelRunner:
             return
         self.graphs = graphs
         logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
+
+    def _capture_mixed_graphs(self) -> None:
+        max_tokens = min(self.engine.cuda_graph_max_mixed_tokens, self.engine.max_num_batched_tokens)
+        if not mixed_capture_sizes(max_tokens, self.engine.max_num_seqs):
+            return
+        t0 = time.perf_counter()
+        graphs = MixedGraphs(self.model, self.caches, max_tokens, self.engine.max_num_seqs,
+                             self.max_num_blocks_per_seq, self.max_model_len, self.device,
+                             thread_local_capture=self.parallel.is_parallel)
+        try:
+            graphs.capture(self.graphs.pool if self.graphs is not None else None)
+        except Exception as e:  # any capture failure means: run eagerly
+            logger.warning("CUDA graph capture of mixed prefill/decode steps failed (%s: %s); they run eagerly",
+                           type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return
+        self.mixed_graphs = graphs
+        logger.info("CUDA graphs for mixed steps ready in %.1f s", time.perf_counter() - t0)
 
     def _capture_verify_graphs(self) -> None:
         t0 = time.perf_counter()
@@ -354,6 +378,17 @@ class ModelRunner:
             lens = [len(t) for t in token_ids]
             starts = [0, *accumulate(lens)]
             token_ids = [flat[a:b] for a, b in pairwise(starts)]
+        mixed = self.mixed_graphs
+        size = mixed.padded_size(len(flat), num_seqs) if mixed is not None else None
+        if mixed is not None and size is not None:
+            mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
+                       pending)
+            last = mixed.run(size, num_seqs)
+            if not sample_rows:
+                return None
+            if len(sample_rows) < num_seqs:
+                last = last[to_device_async(torch.tensor(sample_rows, dtype=torch.int64), self.device)]
+            return self.model.compute_logits(last)
         batch = ForwardBatch.build(token_ids, step.context_lens, step.block_tables, step.state_slots,
                                    self.block_size, self.device)
         if pending is not None:

@@ -28,6 +28,8 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
     q and k are L2-normalised and q scaled by Dk^-0.5; each k head serves Hv/Hk consecutive v heads.
     Per token: S = S*exp(g); S += k (beta (v - S^T k))^T; o = S^T q. Returns o [T, Hv, Dv] in v's dtype.
+    A sequence without tokens leaves its slot unread and unwritten; rows past cu_seqlens[B] (the padding of
+    a captured mixed step) belong to no sequence, and their outputs are unspecified.
     """
     num_v_heads = v.shape[1]
     rep = num_v_heads // k.shape[1]
@@ -37,6 +39,8 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist()
     for i, slot in enumerate(state_slots.tolist()):
+        if cu[i] == cu[i + 1]:
+            continue
         state = ssm_state[slot].float()
         for t in range(cu[i], cu[i + 1]):
             state = state * gf[t].exp()[:, None, None]
@@ -70,10 +74,6 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bi
     tile = hv * stride_s1 + offs_k[:, None] * stride_s2 + offs_v[None, :]
     s_ptrs = state_ptr + slot * stride_s0 + tile
     smask = kmask[:, None] & vmask[None, :]
-    # the state tile stays in registers across the sequence's tokens and is written back once. A snapshot
-    # store into the start slot is safe: each stored column depends, through kv, on every element of that
-    # column loaded here.
-    state = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     if ONE_TOKEN:
         start = seq.to(tl.int64)
         end = start + 1
@@ -83,6 +83,14 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bi
     else:
         start = tl.load(cu_ptr + seq).to(tl.int64)
         end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+        # a sequence without tokens (the padding of a captured mixed step) leaves its slot alone. A mask, not
+        # an early return: that would move the loop into a branch and change its code (and its rounding
+        # against the decode path, which must stay bitwise equal).
+        smask = smask & (end > start)
+    # the state tile stays in registers across the sequence's tokens and is written back once. A snapshot
+    # store into the start slot is safe: each stored column depends, through kv, on every element of that
+    # column loaded here.
+    state = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     for t64 in range(start, end):
         q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)

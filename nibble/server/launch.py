@@ -28,9 +28,9 @@ GRACEFUL_SHUTDOWN_S = 10
 _ENGINE_FIELDS = (
     "model", "tokenizer", "served_model_name", "device", "dtype", "kv_cache_dtype", "load_format", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
-    "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "seed", "moe_backend",
-    "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel", "max_waiting_requests",
-    "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
+    "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
+    "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
+    "max_waiting_requests", "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
 )
 
 
@@ -100,6 +100,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="draft tokens per step from the model's MTP head (0 = off; default: 0)")
     engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch captured in a CUDA graph (default: 256)")
+    engine.add_argument("--cuda-graph-max-mixed-tokens", type=int, default=None,
+                        help="largest prefill or mixed prefill+decode step, in tokens, run from a CUDA graph "
+                             "(0: such steps run eagerly; at most 512; default: 512)")
     engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")
     engine.add_argument("--attention-backend", default=None, help="force an attention kernel backend (default: auto)")
     engine.add_argument("--linear-backend", default=None, help="force an NVFP4 linear kernel backend (default: auto)")

@@ -1,0 +1,162 @@
+"""CUDA graphs for short prefill and mixed prefill+decode steps: one graph per padded token count.
+
+An eager step of a few hundred tokens is bound by the host, not the GPU: it launches about a thousand kernels
+through Python (an H200 spent 58 ms of wall time on the 13.7 ms of kernels of a 16-token 122B-A10B prefill).
+A captured step replays them at once. A step of T tokens in B sequences runs the smallest captured size
+(T_pad, B_pad) with T <= T_pad and B <= B_pad, where B_pad = min(max_num_seqs, T_pad // 2): B_pad stays below
+T_pad so that no padded batch looks like a decode step to the kernels, which pick their decode paths by
+T == B. The launch grids are those of (T_pad, B_pad), with the host ints the kernels size them by fixed:
+max_query_len = T_pad, max_seq_len = the model's longest context.
+
+Padding: sequences B..B_pad-1 have no tokens (cu_seqlens stays at T for them), state slot 0 and block 0 (the
+reserved scratch), so every kernel skips them; tokens T..T_pad-1 belong to no sequence (token id 0, position 0,
+KV slot -1): the attention and Gated DeltaNet kernels leave their rows unset, so what the later layers compute
+for them is unspecified (possibly not finite). No kernel mixes token rows, the router clamps expert ids of
+non-finite rows into range, and only the real sequences' last rows are read, so their garbage stays in their
+own rows.
+
+The Gated DeltaNet layers must take a kernel that needs no host data and no sync: the recurrent one, which the
+fla backend uses up to gated_delta.RECURRENT_MAX_TOKENS tokens, the largest size captured.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
+from nibble.kernels.host_copy import to_device_async
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+
+logger = logging.getLogger("nibble.engine")
+
+_TOKEN_SIZES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def mixed_capture_sizes(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(T_pad, B_pad) of the graphs to capture for steps of up to max_tokens tokens (capped at
+    RECURRENT_MAX_TOKENS); empty when max_tokens is below the smallest size."""
+    limit = min(max_tokens, RECURRENT_MAX_TOKENS)
+    return [(t, max(1, min(max_num_seqs, t // 2))) for t in _TOKEN_SIZES if t <= limit]
+
+
+class MixedGraphs:
+    """Captured prefill / mixed steps of `model`, sizes from `mixed_capture_sizes`. Without `capture()` (on the
+    CPU: tests) `run` computes the same padded batch eagerly."""
+
+    def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int, max_num_seqs: int,
+                 max_num_blocks_per_seq: int, max_seq_len: int, device: torch.device,
+                 thread_local_capture: bool = False) -> None:
+        self.model = model
+        self.caches = caches
+        self.sizes = mixed_capture_sizes(max_tokens, max_num_seqs)
+        if not self.sizes:
+            raise ValueError(f"no mixed-step graph sizes up to {max_tokens} tokens")
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.capture_error_mode = "thread_local" if thread_local_capture else "global"
+        t, b = self.sizes[-1][0], max(s[1] for s in self.sizes)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.cu_seqlens_q = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.state_slots = torch.zeros(b, dtype=torch.int32, device=device)
+        self.logits_indices = torch.zeros(b, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(b, max_num_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def padded_size(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest captured (T_pad, B_pad) that holds a step of num_tokens tokens in num_seqs sequences."""
+        return next(((t, b) for t, b in self.sizes if t >= num_tokens and b >= num_seqs), None)
+
+    def batch(self, size: tuple[int, int]) -> ForwardBatch:
+        """The padded batch of `size`, views of the static buffers."""
+        t, b = size
+        return ForwardBatch(
+            input_ids=self.input_ids[:t], positions=self.positions[:t], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], slot_mapping=self.slot_mapping[:t],
+            state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b], max_query_len=t,
+            max_seq_len=self.max_seq_len)
+
+    def load(self, size: tuple[int, int], token_ids: list[list[int]], context_lens: list[int],
+             block_tables: list[list[int]], state_slots: list[int], block_size: int,
+             pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write a step's inputs, padded to `size`, into the static buffers. token_ids[i]: the tokens sequence
+        i feeds (at positions context_lens[i]...); pending: (flat token positions, token ids), int64 [n] on
+        the device, written over input_ids afterwards (tokens of the step in flight)."""
+        t_pad, b_pad = size
+        num_seqs = len(token_ids)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        for toks, ctx, blocks in zip(token_ids, context_lens, block_tables, strict=True):
+            ids.extend(toks)
+            for p in range(ctx, ctx + len(toks)):
+                pos.append(p)
+                slots.append(blocks[p // block_size] * block_size + p % block_size)
+            cu.append(len(ids))
+        num_tokens = len(ids)
+        if num_tokens > t_pad or num_seqs > b_pad:
+            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences does not fit {size}")
+        pad_t, pad_b = t_pad - num_tokens, b_pad - num_seqs
+        width = self.block_table.shape[1]
+        table = [x for blk in block_tables for x in (*blk, *([0] * (width - len(blk))))]
+        tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t], dtype=torch.int64)
+        seqs = torch.tensor([cu[1:] + [num_tokens] * pad_b,
+                             [c + len(x) for c, x in zip(context_lens, token_ids)] + [0] * pad_b,
+                             state_slots + [0] * pad_b], dtype=torch.int32)
+        last = torch.tensor([c - 1 for c in cu[1:]] + [0] * pad_b, dtype=torch.int64)
+        tokens_d = to_device_async(tokens, self.device)
+        seqs_d = to_device_async(seqs, self.device)
+        self.input_ids[:t_pad].copy_(tokens_d[0])
+        self.positions[:t_pad].copy_(tokens_d[1])
+        self.slot_mapping[:t_pad].copy_(tokens_d[2])
+        self.cu_seqlens_q[1: b_pad + 1].copy_(seqs_d[0])
+        self.seq_lens[:b_pad].copy_(seqs_d[1])
+        self.state_slots[:b_pad].copy_(seqs_d[2])
+        self.logits_indices[:b_pad].copy_(to_device_async(last, self.device))
+        self.block_table[:num_seqs].copy_(
+            to_device_async(torch.tensor(table, dtype=torch.int32).view(num_seqs, width), self.device))
+        if pad_b:
+            self.block_table[num_seqs:b_pad].zero_()
+        if pending is not None:
+            self.input_ids[pending[0]] = pending[1]
+
+    def forward(self, size: tuple[int, int]) -> torch.Tensor:
+        """The model on the padded batch of `size` (as loaded): hidden [B_pad, hidden_size] at each sequence's
+        last token."""
+        batch = self.batch(size)
+        return self.model(batch, self.caches)[batch.logits_indices]
+
+    @torch.inference_mode()
+    def capture(self, pool: tuple | None = None) -> None:
+        """Capture every size, largest first, into `pool` (e.g. the decode graphs' memory pool) or a new one.
+        The static buffers hold an empty batch meanwhile: every sequence has no token."""
+        for size in reversed(self.sizes):
+            self.forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
+                out = self.forward(size)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[size] = graph
+            self.outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for mixed steps of (tokens, sequences) %s", self.sizes)
+
+    @torch.inference_mode()
+    def run(self, size: tuple[int, int], num_seqs: int) -> torch.Tensor:
+        """Replay the loaded step: hidden [num_seqs, hidden_size] at each sequence's last token (the graph's
+        output buffer: read it before the next replay). A size not captured (on the CPU: tests) runs the same
+        padded batch eagerly."""
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self.forward(size)[:num_seqs]
+        graph.replay()
+        return self.outputs[size][:num_seqs]

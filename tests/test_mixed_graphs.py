@@ -1,0 +1,154 @@
+"""Padded mixed prefill/decode steps (nibble/engine/mixed_graphs.py) on the demo model (CPU): the padded batch a
+captured graph runs, computed eagerly here, must give the real sequences the logits, KV cache and GDN states of
+the unpadded step, whatever the padding rows hold, and an engine that runs its short prefill and mixed steps
+padded must generate what the plain engine does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nibble.engine.config import EngineConfig, EngineConfigError
+from nibble.engine.llm_engine import LLMEngine
+from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
+from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.step_inputs import StepInputs
+from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
+
+
+def _engine(**kwargs: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="demo", device="cpu", max_model_len=512, **kwargs))  # type: ignore[arg-type]
+
+
+def _install(engine: LLMEngine, max_tokens: int = 512) -> MixedGraphs:
+    runner = engine.runner
+    graphs = MixedGraphs(runner.model, runner.caches, max_tokens, engine.config.max_num_seqs,
+                         runner.max_num_blocks_per_seq, runner.max_model_len, runner.device)
+    runner.mixed_graphs = graphs
+    return graphs
+
+
+def test_capture_sizes() -> None:
+    sizes = mixed_capture_sizes(512, 256)
+    assert sizes[0] == (16, 8) and sizes[-1] == (512, 256)
+    assert all(b < t for t, b in sizes)
+    assert mixed_capture_sizes(4096, 8)[-1] == (RECURRENT_MAX_TOKENS, 8)
+    assert mixed_capture_sizes(100, 4)[-1] == (96, 4)
+    assert mixed_capture_sizes(15, 4) == []
+
+
+def test_padded_size_fits_tokens_and_sequences() -> None:
+    engine = _engine()
+    graphs = _install(engine)
+    assert graphs.padded_size(3, 2) == (16, 8)
+    assert graphs.padded_size(16, 9) == (24, 12)
+    assert graphs.padded_size(105, 101) == (256, 128)
+    assert graphs.padded_size(513, 2) is None
+    assert graphs.padded_size(300, 300) is None
+
+
+def test_config_rejects_negative_mixed_tokens() -> None:
+    with pytest.raises(EngineConfigError, match="--cuda-graph-max-mixed-tokens"):
+        EngineConfig(model="demo", cuda_graph_max_mixed_tokens=-1)
+
+
+def _step(engine: LLMEngine, lens: list[list[int]], seed: int) -> StepInputs:
+    """A step of sequences that each own fresh blocks and a fresh GDN slot: (context, new tokens) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = engine.config.block_size
+    tokens, ctxs, tables, slots = [], [], [], []
+    next_block = 1
+    for i, (ctx, n) in enumerate(lens):
+        tokens.append(torch.randint(0, 1000, (n,), generator=gen).tolist())
+        ctxs.append(ctx)
+        need = -(-(ctx + n) // bs)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+        slots.append(1 + i)
+    return StepInputs(token_ids=tokens, context_lens=ctxs, block_tables=tables, state_slots=slots,
+                      new_state_slots=[], sample_rows=list(range(len(lens))))
+
+
+def _snapshot(engine: LLMEngine) -> list[torch.Tensor]:
+    caches = engine.runner.caches
+    return [t.clone() for c in caches.kv if c is not None for t in (c.k, c.v)] + \
+        [t.clone() for s in caches.gdn if s is not None for t in (s.conv, s.ssm)]
+
+
+def _restore(engine: LLMEngine, saved: list[torch.Tensor]) -> None:
+    caches = engine.runner.caches
+    live = [t for c in caches.kv if c is not None for t in (c.k, c.v)] + \
+        [t for s in caches.gdn if s is not None for t in (s.conv, s.ssm)]
+    for dst, src in zip(live, saved, strict=True):
+        dst.copy_(src)
+
+
+@pytest.mark.parametrize("lens", [[(0, 5)], [(0, 13), (7, 1), (20, 1)], [(3, 40), (0, 2), (30, 1), (0, 9)]])
+def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
+    engine = _engine()
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(1)
+    # random caches, so that context positions and the GDN states start from something
+    for c in runner.caches.kv:
+        if c is not None:
+            c.k.copy_(torch.randn(c.k.shape, generator=gen))
+            c.v.copy_(torch.randn(c.v.shape, generator=gen))
+    for s in runner.caches.gdn:
+        if s is not None:
+            s.conv.copy_(torch.randn(s.conv.shape, generator=gen))
+            s.ssm.copy_(torch.randn(s.ssm.shape, generator=gen) * 0.1)
+    step = _step(engine, lens, seed=2)
+    saved = _snapshot(engine)
+    plain = runner.run(step)
+    plain_caches = _snapshot(engine)
+    _restore(engine, saved)
+    graphs = _install(engine)
+    size = graphs.padded_size(sum(n for _, n in lens), len(lens))
+    assert size is not None
+    # poison the padding: the stray token rows and the padded sequences' scratch slot
+    graphs.input_ids.fill_(7)
+    padded = runner.run(step)
+    assert padded is not None and plain is not None
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    num_slots = next(s for s in runner.caches.gdn if s is not None).conv.shape[0]
+    for got, want in zip(_snapshot(engine), plain_caches, strict=True):
+        if got.shape[0] == num_slots:
+            got, want = got[1:], want[1:]  # slot 0 is the scratch slot padded rows may use
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_outputs_with_padded_mixed_steps() -> None:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 60, (6,), generator=gen)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate(engine: LLMEngine) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts[:3]):
+            engine.add_request(f"r{i}", p, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            if steps == 3:  # arrivals while the first ones decode: mixed steps
+                for i, p in enumerate(prompts[3:], start=3):
+                    engine.add_request(f"r{i}", p, params)
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+            steps += 1
+            assert steps < 500
+        return out
+
+    want = generate(_engine(max_num_batched_tokens=64))
+    engine = _engine(max_num_batched_tokens=64)
+    graphs = _install(engine, max_tokens=64)
+    calls: list[tuple[int, int]] = []
+    real = graphs.run
+
+    def run(size: tuple[int, int], num_seqs: int) -> torch.Tensor:
+        calls.append(size)
+        return real(size, num_seqs)
+
+    graphs.run = run  # type: ignore[method-assign]
+    assert generate(engine) == want
+    assert calls, "no step ran padded"
