@@ -152,3 +152,6 @@ def test_engine_outputs_with_padded_mixed_steps() -> None:
     graphs.run = run  # type: ignore[method-assign]
     assert generate(engine) == want
     assert calls, "no step ran padded"
+    stats = engine.stats()
+    assert stats["model_steps_mixed_graph"] == len(calls)
+    assert stats["model_steps_decode_graph"] == stats["model_steps_verify_graph"] == 0

@@ -196,6 +196,7 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.scheduler.num_prefix_query_tokens = 0
         self.scheduler.num_prefix_hit_tokens = 0
+        self.runner.step_counts = dict.fromkeys(self.runner.step_counts, 0)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device); no step may follow."""
@@ -285,7 +286,8 @@ class LLMEngine:
                 "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
                 "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                **{f"model_steps_{kind}": n for kind, n in self.runner.step_counts.items()}}
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for each request that advanced or finished. With

@@ -35,6 +35,8 @@ from nibble.models.config import FULL_ATTENTION, ModelConfig
 logger = logging.getLogger("nibble.engine")
 
 CPU_DEFAULT_KV_GB = 0.25
+# How a model step can run: replayed from a decode, mixed-step or verify CUDA graph, or eagerly.
+STEP_KINDS = ("decode_graph", "mixed_graph", "verify_graph", "eager")
 # Verify graphs hold [B * (k + 1), vocab] fp32 logits per size; larger verify batches run eagerly.
 MAX_VERIFY_GRAPH_BATCH = 64
 
@@ -200,6 +202,8 @@ class ModelRunner:
         # a verify step and its drafts reach 2 * num_spec_tokens positions past the computed tokens
         self.max_seq_len = max_model_len + 2 * self.num_spec_tokens
         self.max_num_blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        # steps run so far by how they ran (the server's /metrics reports them)
+        self.step_counts = dict.fromkeys(STEP_KINDS, 0)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
@@ -298,6 +302,7 @@ class ModelRunner:
         batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                                    self.block_size, self.device)
         hidden = self.model(batch, self.caches)
+        self.step_counts["eager"] += 1
         rows = step.sample_rows
         sampled = [sched.requests[i] for i in rows]
         pending = None
@@ -322,11 +327,13 @@ class ModelRunner:
         if graphs is not None and bs is not None:
             graphs.load(bs, step.token_ids, step.context_lens, step.block_tables, step.spec_slots)
             logits = graphs.run_target(bs)[:num_seqs]
+            self.step_counts["verify_graph"] += 1
         else:
             batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                                        self.block_size, self.device)
             batch.spec_slots = to_device_async(torch.tensor(step.spec_slots, dtype=torch.int32), self.device)
             hidden = self.model(batch, self.caches)
+            self.step_counts["eager"] += 1
             logits = self.model.compute_logits(hidden).view(num_seqs, n, -1)
         drafts_in = to_device_async(torch.tensor([t[1:] for t in step.token_ids], dtype=torch.int64), self.device)
         acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests))
@@ -371,6 +378,7 @@ class ModelRunner:
                 seq_lens=[p + 1 for p in pos], block_tables=step.block_tables,
                 slot_mapping=[b[p // bs] * bs + p % bs for b, p in zip(step.block_tables, pos)],
                 state_slots=step.state_slots, pending=pending)
+            self.step_counts["decode_graph"] += 1
             return logits.clone()
         token_ids = step.token_ids
         flat, pending = _pending_inputs([t for toks in token_ids for t in toks], inflight_tokens, self.device)
@@ -384,6 +392,7 @@ class ModelRunner:
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)
             last = mixed.run(size, num_seqs)
+            self.step_counts["mixed_graph"] += 1
             if not sample_rows:
                 return None
             if len(sample_rows) < num_seqs:
@@ -394,6 +403,7 @@ class ModelRunner:
         if pending is not None:
             batch.input_ids[pending[0]] = pending[1]
         hidden = self.model(batch, self.caches)
+        self.step_counts["eager"] += 1
         if not sample_rows:
             return None
         idx = batch.logits_indices[sample_rows] if len(sample_rows) < num_seqs else batch.logits_indices

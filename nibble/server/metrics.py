@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from nibble.engine.async_engine import AsyncEngine
+from nibble.engine.model_runner import STEP_KINDS
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
@@ -61,6 +62,12 @@ class _EngineCollector(Collector):
                       stats.get("spec_decode_num_draft_tokens", 0))
         yield counter("nibble:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target model.",
                       stats.get("spec_decode_num_accepted_tokens", 0))
+        steps = CounterMetricFamily("nibble:model_steps", "Model steps by how they ran: replayed from a decode, "
+                                    "mixed prefill/decode or speculative-verify CUDA graph, or eagerly.",
+                                    labels=[*labels, "mode"])
+        for kind in STEP_KINDS:
+            steps.add_metric([*values, kind], stats.get(f"model_steps_{kind}", 0))
+        yield steps
 
 
 class ServerMetrics:

@@ -20,6 +20,7 @@ METRIC_NAMES = (
     "nibble:time_to_first_token_seconds_bucket",
     "nibble:time_per_output_token_seconds_bucket",
     "nibble:e2e_request_latency_seconds_bucket",
+    "nibble:model_steps_total",
 )
 
 
@@ -58,6 +59,10 @@ def test_metrics_count_requests(http: httpx.Client, server: ServerHandle) -> Non
     assert delta("nibble:time_per_output_token_seconds_count") == 1
     assert delta("nibble:request_generation_tokens_sum") == 5
     assert delta("nibble:http_errors_total", status="400") == 1
+    # a CPU engine has no CUDA graphs: the prefill and the decode steps all ran eagerly
+    assert delta("nibble:model_steps_total", mode="eager") >= 5
+    assert all(metric_value(after, "nibble:model_steps_total", mode=m) == 0
+               for m in ("decode_graph", "mixed_graph", "verify_graph"))
     assert metric_value(after, "nibble:num_requests_running") == 0
     assert 0 <= metric_value(after, "nibble:kv_cache_usage_perc") <= 1
 
