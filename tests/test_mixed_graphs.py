@@ -23,7 +23,8 @@ def _engine(**kwargs: object) -> LLMEngine:
 def _install(engine: LLMEngine, max_tokens: int = 512) -> MixedGraphs:
     runner = engine.runner
     graphs = MixedGraphs(runner.model, runner.caches, max_tokens, engine.config.max_num_seqs,
-                         runner.max_num_blocks_per_seq, runner.max_model_len, runner.device)
+                         runner.max_num_blocks_per_seq, runner.max_model_len, runner.device,
+                         full_hidden=engine.config.speculative)
     runner.mixed_graphs = graphs
     return graphs
 
@@ -117,7 +118,10 @@ def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_outputs_with_padded_mixed_steps() -> None:
+@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
+def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int) -> None:
+    """With speculative decoding the prefill steps' target pass runs padded (every token's hidden row out, for
+    the MTP head) and the verify steps as before."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (int(n),), generator=gen).tolist()
                for n in torch.randint(3, 60, (6,), generator=gen)]
@@ -140,7 +144,9 @@ def test_engine_outputs_with_padded_mixed_steps() -> None:
         return out
 
     want = generate(_engine(max_num_batched_tokens=64))
-    engine = _engine(max_num_batched_tokens=64)
+    if num_speculative_tokens:
+        assert generate(_engine(max_num_batched_tokens=64, num_speculative_tokens=2)) == want
+    engine = _engine(max_num_batched_tokens=64, num_speculative_tokens=num_speculative_tokens)
     graphs = _install(engine, max_tokens=64)
     calls: list[tuple[int, int]] = []
     real = graphs.run
@@ -155,3 +161,5 @@ def test_engine_outputs_with_padded_mixed_steps() -> None:
     stats = engine.stats()
     assert stats["model_steps_mixed_graph"] == len(calls)
     assert stats["model_steps_decode_graph"] == stats["model_steps_verify_graph"] == 0
+    if num_speculative_tokens:
+        assert stats["spec_decode_num_draft_tokens"] > 0

@@ -15,6 +15,9 @@ for them is unspecified (possibly not finite). No kernel mixes token rows, the r
 non-finite rows into range, and only the real sequences' last rows are read, so their garbage stays in their
 own rows.
 
+Under speculative decoding (`full_hidden`) the graph returns the hidden rows of every token instead, which the
+MTP head's pass over the prefill chunks reads (eagerly, after the target's tokens are sampled).
+
 The Gated DeltaNet layers must take a kernel that needs no host data and no sync: the recurrent one, which the
 fla backend uses up to gated_delta.RECURRENT_MAX_TOKENS tokens, the largest size captured.
 """
@@ -48,8 +51,9 @@ class MixedGraphs:
 
     def __init__(self, model: nn.Module, caches: ModelCaches, max_tokens: int, max_num_seqs: int,
                  max_num_blocks_per_seq: int, max_seq_len: int, device: torch.device,
-                 thread_local_capture: bool = False) -> None:
+                 thread_local_capture: bool = False, full_hidden: bool = False) -> None:
         self.model = model
+        self.full_hidden = full_hidden
         self.caches = caches
         self.sizes = mixed_capture_sizes(max_tokens, max_num_seqs)
         if not self.sizes:
@@ -129,9 +133,10 @@ class MixedGraphs:
 
     def forward(self, size: tuple[int, int]) -> torch.Tensor:
         """The model on the padded batch of `size` (as loaded): hidden [B_pad, hidden_size] at each sequence's
-        last token."""
+        last token, or [T_pad, hidden_size] for every token with full_hidden."""
         batch = self.batch(size)
-        return self.model(batch, self.caches)[batch.logits_indices]
+        hidden = self.model(batch, self.caches)
+        return hidden if self.full_hidden else hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def capture(self, pool: tuple | None = None) -> None:
@@ -151,12 +156,12 @@ class MixedGraphs:
         logger.info("captured CUDA graphs for mixed steps of (tokens, sequences) %s", self.sizes)
 
     @torch.inference_mode()
-    def run(self, size: tuple[int, int], num_seqs: int) -> torch.Tensor:
-        """Replay the loaded step: hidden [num_seqs, hidden_size] at each sequence's last token (the graph's
-        output buffer: read it before the next replay). A size not captured (on the CPU: tests) runs the same
-        padded batch eagerly."""
+    def run(self, size: tuple[int, int], num_rows: int) -> torch.Tensor:
+        """Replay the loaded step: hidden [num_rows, hidden_size], num_rows being the step's sequences (their last
+        tokens) or, with full_hidden, its tokens (the graph's output buffer: read it before the next replay). A
+        size not captured (on the CPU: tests) runs the same padded batch eagerly."""
         graph = self.graphs.get(size)
         if graph is None:
-            return self.forward(size)[:num_seqs]
+            return self.forward(size)[:num_rows]
         graph.replay()
-        return self.outputs[size][:num_seqs]
+        return self.outputs[size][:num_rows]

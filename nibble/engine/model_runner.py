@@ -212,7 +212,7 @@ class ModelRunner:
                 self._capture_verify_graphs()
             else:
                 self._capture_graphs()
-                self._capture_mixed_graphs()
+            self._capture_mixed_graphs()
         if self.parallel.is_parallel:
             # A rank replaying a graph while another runs eagerly would pad differently: all or none.
             if self.parallel.host_min(int(self.graphs is not None)) == 0:
@@ -241,9 +241,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         graphs = MixedGraphs(self.model, self.caches, max_tokens, self.engine.max_num_seqs,
                              self.max_num_blocks_per_seq, self.max_model_len, self.device,
-                             thread_local_capture=self.parallel.is_parallel)
+                             thread_local_capture=self.parallel.is_parallel, full_hidden=self.engine.speculative)
+        other = self.graphs or self.verify_graphs
         try:
-            graphs.capture(self.graphs.pool if self.graphs is not None else None)
+            graphs.capture(other.pool if other is not None else None)
         except Exception as e:  # any capture failure means: run eagerly
             logger.warning("CUDA graph capture of mixed prefill/decode steps failed (%s: %s); they run eagerly",
                            type(e).__name__, e)
@@ -301,8 +302,17 @@ class ModelRunner:
             return self._verify(step, sched.requests, generator, bitmask)
         batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                                    self.block_size, self.device)
-        hidden = self.model(batch, self.caches)
-        self.step_counts["eager"] += 1
+        mixed = self.mixed_graphs
+        size = mixed.padded_size(batch.num_tokens, step.num_seqs) if mixed is not None else None
+        if mixed is not None and size is not None:
+            # the target pass from its graph (every token's hidden row); the MTP head's pass below runs eagerly
+            mixed.load(size, step.token_ids, step.context_lens, step.block_tables, step.state_slots,
+                       self.block_size)
+            hidden = mixed.run(size, batch.num_tokens)
+            self.step_counts["mixed_graph"] += 1
+        else:
+            hidden = self.model(batch, self.caches)
+            self.step_counts["eager"] += 1
         rows = step.sample_rows
         sampled = [sched.requests[i] for i in rows]
         pending = None
@@ -387,7 +397,7 @@ class ModelRunner:
             starts = [0, *accumulate(lens)]
             token_ids = [flat[a:b] for a, b in pairwise(starts)]
         mixed = self.mixed_graphs
-        size = mixed.padded_size(len(flat), num_seqs) if mixed is not None else None
+        size = mixed.padded_size(len(flat), num_seqs) if mixed is not None and not mixed.full_hidden else None
         if mixed is not None and size is not None:
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)

@@ -151,6 +151,7 @@ class VerifyGraphs:
         self.num_accepted = torch.zeros(m, dtype=torch.int64, device=device)
         self.graphs: dict[int, _VerifyGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}
+        self.pool: tuple | None = None
 
     def batch(self, bs: int) -> ForwardBatch:
         n = self.n
@@ -172,6 +173,7 @@ class VerifyGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool (`self.pool`, which other graphs may share)."""
         pool = None
         for bs in reversed(self.sizes):
             hidden, _ = self._target(bs)
@@ -187,6 +189,7 @@ class VerifyGraphs:
                 drafts = self._draft(bs, hidden)
             self.graphs[bs] = _VerifyGraph(target, draft, logits, drafts)
             self._hidden[bs] = hidden
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for speculative verify batch sizes %s (%d drafts)", self.sizes, self.k)
 

@@ -61,10 +61,12 @@ def test_verify_graphs_match_plain_decoding() -> None:
     ref = _run(_engine())
     for k, noise in ((1, 0.0), (3, 0.3)):
         spec = _engine(num_speculative_tokens=k)
-        assert spec.runner.verify_graphs is not None
+        assert spec.runner.verify_graphs is not None and spec.runner.mixed_graphs is not None
         assert _run(spec) == ref  # the head's own drafts
         assert _run(spec, ref, noise) == ref
         stats = spec.stats()
         assert stats["spec_decode_num_accepted_tokens"] > 0
+        # prefills (prompts of up to 300 tokens) through the mixed-step graphs, verify steps through theirs
+        assert stats["model_steps_mixed_graph"] > 0 and stats["model_steps_verify_graph"] > 0
         del spec
         torch.cuda.empty_cache()
