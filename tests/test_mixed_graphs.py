@@ -41,11 +41,23 @@ def test_capture_sizes() -> None:
 def test_padded_size_fits_tokens_and_sequences() -> None:
     engine = _engine()
     graphs = _install(engine)
-    assert graphs.padded_size(3, 2) == (16, 8)
-    assert graphs.padded_size(16, 9) == (24, 12)
-    assert graphs.padded_size(105, 101) == (256, 128)
-    assert graphs.padded_size(513, 2) is None
-    assert graphs.padded_size(300, 300) is None
+    assert graphs.padded_size(3, 2, 2) == (16, 8, True)
+    assert graphs.padded_size(16, 9, 8) == (24, 12, True)
+    assert graphs.padded_size(40, 9, 32) == (48, 24, False)
+    assert graphs.padded_size(105, 101, 5) == (256, 128, True)
+    assert graphs.padded_size(513, 2, 300) is None
+    assert graphs.padded_size(300, 300, 1) is None
+    assert set(graphs.keys) == {(t, b, True) for t, b in graphs.sizes} | \
+        {(t, b, False) for t, b in graphs.sizes if t > 16}
+
+
+def test_short_query_graphs_size_attention_for_split_kv() -> None:
+    graphs = _install(_engine())
+    assert graphs.batch((64, 32, True)).max_query_len == 16
+    assert graphs.batch((64, 32, False)).max_query_len == 64
+    assert graphs.batch((16, 8, True)).max_query_len == 16
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.load((64, 32, True), [[1] * 17], [0], [[1, 2]], [1], 16)
 
 
 def test_config_rejects_negative_mixed_tokens() -> None:
@@ -104,10 +116,20 @@ def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
     plain_caches = _snapshot(engine)
     _restore(engine, saved)
     graphs = _install(engine)
-    size = graphs.padded_size(sum(n for _, n in lens), len(lens))
-    assert size is not None
-    # poison the padding: the stray token rows and the padded sequences' scratch slot
-    graphs.input_ids.fill_(7)
+    key = graphs.padded_size(sum(n for _, n in lens), len(lens), max(n for _, n in lens))
+    assert key is not None
+    load = graphs.load
+
+    def poisoned_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # after the step's inputs: stray tokens with a real token id, NaN in the padding's scratch slot
+        load(*args, **kwargs)
+        graphs.input_ids[sum(n for _, n in lens):] = 123
+        for s in runner.caches.gdn:
+            if s is not None:
+                s.conv[0] = float("nan")
+                s.ssm[0] = float("nan")
+
+    graphs.load = poisoned_load  # type: ignore[method-assign]
     padded = runner.run(step)
     assert padded is not None and plain is not None
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,10 @@ A captured step replays them at once. A step of T tokens in B sequences runs the
 (T_pad, B_pad) with T <= T_pad and B <= B_pad, where B_pad = min(max_num_seqs, T_pad // 2): B_pad stays below
 T_pad so that no padded batch looks like a decode step to the kernels, which pick their decode paths by
 T == B. The launch grids are those of (T_pad, B_pad), with the host ints the kernels size them by fixed:
-max_query_len = T_pad, max_seq_len = the model's longest context.
+max_seq_len = the model's longest context, and max_query_len = T_pad, or 16 in a second graph per size for
+steps whose queries are all that short (many decoding sequences and a short prompt): paged attention splits
+the KV range of such steps over several programs (a decode row on a 16k context took ~1 ms per layer in one
+program, 35 us split), which a graph sized for T_pad-token queries cannot.
 
 Padding: sequences B..B_pad-1 have no tokens (cu_seqlens stays at T for them), state slot 0 and block 0 (the
 reserved scratch), so every kernel skips them; tokens T..T_pad-1 belong to no sequence (token id 0, position 0,
@@ -31,11 +34,15 @@ from torch import nn
 
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
+from nibble.kernels.paged_attention import SPLIT_MAX_QUERY_LEN
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 
 logger = logging.getLogger("nibble.engine")
 
 _TOKEN_SIZES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+# A captured step: (T_pad, B_pad, short), short meaning every query has at most SPLIT_MAX_QUERY_LEN tokens.
+GraphKey = tuple[int, int, bool]
 
 
 def mixed_capture_sizes(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
@@ -70,29 +77,35 @@ class MixedGraphs:
         self.state_slots = torch.zeros(b, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(b, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(b, max_num_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # sizes up to SPLIT_MAX_QUERY_LEN tokens have short queries only: one graph
+        self.keys: list[GraphKey] = [(t, b, True) for t, b in self.sizes] + \
+            [(t, b, False) for t, b in self.sizes if t > SPLIT_MAX_QUERY_LEN]
 
-    def padded_size(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
-        """The smallest captured (T_pad, B_pad) that holds a step of num_tokens tokens in num_seqs sequences."""
-        return next(((t, b) for t, b in self.sizes if t >= num_tokens and b >= num_seqs), None)
+    def padded_size(self, num_tokens: int, num_seqs: int, max_query_len: int) -> GraphKey | None:
+        """The graph for a step of num_tokens tokens in num_seqs sequences, the longest feeding max_query_len:
+        the smallest captured (T_pad, B_pad) that holds it, in its short-query variant where that applies."""
+        short = max_query_len <= SPLIT_MAX_QUERY_LEN
+        return next(((t, b, short or t <= SPLIT_MAX_QUERY_LEN) for t, b in self.sizes
+                     if t >= num_tokens and b >= num_seqs), None)
 
-    def batch(self, size: tuple[int, int]) -> ForwardBatch:
-        """The padded batch of `size`, views of the static buffers."""
-        t, b = size
+    def batch(self, key: GraphKey) -> ForwardBatch:
+        """The padded batch of `key`, views of the static buffers."""
+        t, b, short = key
         return ForwardBatch(
             input_ids=self.input_ids[:t], positions=self.positions[:t], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], slot_mapping=self.slot_mapping[:t],
-            state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b], max_query_len=t,
-            max_seq_len=self.max_seq_len)
+            state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b],
+            max_query_len=min(t, SPLIT_MAX_QUERY_LEN) if short else t, max_seq_len=self.max_seq_len)
 
-    def load(self, size: tuple[int, int], token_ids: list[list[int]], context_lens: list[int],
+    def load(self, key: GraphKey, token_ids: list[list[int]], context_lens: list[int],
              block_tables: list[list[int]], state_slots: list[int], block_size: int,
              pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Write a step's inputs, padded to `size`, into the static buffers. token_ids[i]: the tokens sequence
-        i feeds (at positions context_lens[i]...); pending: (flat token positions, token ids), int64 [n] on
-        the device, written over input_ids afterwards (tokens of the step in flight)."""
-        t_pad, b_pad = size
+        """Write a step's inputs, padded to `key`'s size, into the static buffers. token_ids[i]: the tokens
+        sequence i feeds (at positions context_lens[i]...); pending: (flat token positions, token ids), int64
+        [n] on the device, written over input_ids afterwards (tokens of the step in flight)."""
+        t_pad, b_pad, short = key
         num_seqs = len(token_ids)
         ids: list[int] = []
         pos: list[int] = []
@@ -105,10 +118,11 @@ class MixedGraphs:
                 slots.append(blocks[p // block_size] * block_size + p % block_size)
             cu.append(len(ids))
         num_tokens = len(ids)
-        if num_tokens > t_pad or num_seqs > b_pad:
-            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences does not fit {size}")
+        if num_tokens > t_pad or num_seqs > b_pad or (short and max(map(len, token_ids)) > SPLIT_MAX_QUERY_LEN):
+            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences does not fit {key}")
         pad_t, pad_b = t_pad - num_tokens, b_pad - num_seqs
-        width = self.block_table.shape[1]
+        # only as wide as the longest table: columns past a sequence's last block are never read
+        width = max(map(len, block_tables))
         table = [x for blk in block_tables for x in (*blk, *([0] * (width - len(blk))))]
         tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t], dtype=torch.int64)
         seqs = torch.tensor([cu[1:] + [num_tokens] * pad_b,
@@ -124,44 +138,45 @@ class MixedGraphs:
         self.seq_lens[:b_pad].copy_(seqs_d[1])
         self.state_slots[:b_pad].copy_(seqs_d[2])
         self.logits_indices[:b_pad].copy_(to_device_async(last, self.device))
-        self.block_table[:num_seqs].copy_(
+        self.block_table[:num_seqs, :width].copy_(
             to_device_async(torch.tensor(table, dtype=torch.int32).view(num_seqs, width), self.device))
         if pad_b:
             self.block_table[num_seqs:b_pad].zero_()
         if pending is not None:
             self.input_ids[pending[0]] = pending[1]
 
-    def forward(self, size: tuple[int, int]) -> torch.Tensor:
-        """The model on the padded batch of `size` (as loaded): hidden [B_pad, hidden_size] at each sequence's
+    def forward(self, key: GraphKey) -> torch.Tensor:
+        """The model on the padded batch of `key` (as loaded): hidden [B_pad, hidden_size] at each sequence's
         last token, or [T_pad, hidden_size] for every token with full_hidden."""
-        batch = self.batch(size)
+        batch = self.batch(key)
         hidden = self.model(batch, self.caches)
         return hidden if self.full_hidden else hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def capture(self, pool: tuple | None = None) -> None:
-        """Capture every size, largest first, into `pool` (e.g. the decode graphs' memory pool) or a new one.
+        """Capture every graph, largest first, into `pool` (e.g. the decode graphs' memory pool) or a new one.
         The static buffers hold an empty batch meanwhile: every sequence has no token."""
-        for size in reversed(self.sizes):
-            self.forward(size)
+        for key in sorted(self.keys, reverse=True):
+            self.forward(key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
-                out = self.forward(size)
+                out = self.forward(key)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            self.graphs[key] = graph
+            self.outputs[key] = out
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for mixed steps of (tokens, sequences) %s", self.sizes)
+        logger.info("captured CUDA graphs for mixed steps of (tokens, sequences) %s, each also for queries of at "
+                    "most %d tokens", self.sizes, SPLIT_MAX_QUERY_LEN)
 
     @torch.inference_mode()
-    def run(self, size: tuple[int, int], num_rows: int) -> torch.Tensor:
+    def run(self, key: GraphKey, num_rows: int) -> torch.Tensor:
         """Replay the loaded step: hidden [num_rows, hidden_size], num_rows being the step's sequences (their last
         tokens) or, with full_hidden, its tokens (the graph's output buffer: read it before the next replay). A
-        size not captured (on the CPU: tests) runs the same padded batch eagerly."""
-        graph = self.graphs.get(size)
+        graph not captured (on the CPU: tests) is computed eagerly on the same padded batch."""
+        graph = self.graphs.get(key)
         if graph is None:
-            return self.forward(size)[:num_rows]
+            return self.forward(key)[:num_rows]
         graph.replay()
-        return self.outputs[size][:num_rows]
+        return self.outputs[key][:num_rows]

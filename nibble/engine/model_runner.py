@@ -27,6 +27,7 @@ from nibble.engine.scheduler import ScheduledBatch
 from nibble.engine.spec_decode import VerifyGraphs, draft_after_prefill, draft_after_verify
 from nibble.engine.spec_sampler import accept_drafts
 from nibble.engine.step_inputs import StepInputs
+from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 from nibble.layers.parallel import SINGLE, ParallelContext
@@ -114,8 +115,13 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
         used = total - free
         budget = int(total * engine.gpu_memory_utilization) - used - peak
         # CUDA graphs keep their own pool (logits and intermediate buffers of the largest batch); verify graphs
-        # also keep the fp32 logits of every captured size as their outputs.
-        graph_reserve = 0 if engine.enforce_eager else 512 * 2**20 + verify_graph_logits_bytes(engine, model_config)
+        # also keep the fp32 logits of every captured size as their outputs, and the mixed-step graphs the
+        # working memory of their largest step (the profiled prefill's, scaled to its token count).
+        graph_reserve = 0
+        if not engine.enforce_eager:
+            mixed_tokens = min(engine.cuda_graph_max_mixed_tokens, RECURRENT_MAX_TOKENS, engine.max_num_batched_tokens)
+            graph_reserve = (512 * 2**20 + verify_graph_logits_bytes(engine, model_config)
+                             + peak * mixed_tokens // engine.max_num_batched_tokens)
         kv_bytes = budget - state_bytes - graph_reserve
         if kv_bytes < 2 * block_bytes:
             raise RuntimeError(
@@ -303,7 +309,7 @@ class ModelRunner:
         batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                                    self.block_size, self.device)
         mixed = self.mixed_graphs
-        size = mixed.padded_size(batch.num_tokens, step.num_seqs) if mixed is not None else None
+        size = mixed.padded_size(batch.num_tokens, step.num_seqs, batch.max_query_len) if mixed is not None else None
         if mixed is not None and size is not None:
             # the target pass from its graph (every token's hidden row); the MTP head's pass below runs eagerly
             mixed.load(size, step.token_ids, step.context_lens, step.block_tables, step.state_slots,
@@ -397,7 +403,8 @@ class ModelRunner:
             starts = [0, *accumulate(lens)]
             token_ids = [flat[a:b] for a, b in pairwise(starts)]
         mixed = self.mixed_graphs
-        size = mixed.padded_size(len(flat), num_seqs) if mixed is not None and not mixed.full_hidden else None
+        size = (mixed.padded_size(len(flat), num_seqs, max(map(len, token_ids)))
+                if mixed is not None and not mixed.full_hidden else None)
         if mixed is not None and size is not None:
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)

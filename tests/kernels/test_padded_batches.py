@@ -1,7 +1,8 @@
 """The padding of a captured mixed step (nibble/engine/mixed_graphs.py) through the Triton kernels
 (interpreter, fp32): sequences without tokens and token rows past cu_seqlens[B]. The real sequences' outputs
-and states must equal the reference on the unpadded batch, and a padded sequence's slot (NaN here) must be
-neither read into anything real nor written."""
+and states must equal the reference on the unpadded batch, and a padded sequence's slot (NaN here) must not be
+read into anything real and keep its contents. (That the delta-rule kernel no longer even loads and stores that
+slot's state only shows in GPU timings: the value it would write back is the one it read.)"""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def test_causal_conv1d_skips_empty_sequences_and_stray_tokens() -> None:
     assert rel_err(out[:t], ref) < 1e-6
     assert torch.equal(s_out[1:], s_ref[1:])
     assert torch.isnan(s_out[0]).all()
+
+
+def test_causal_conv1d_stray_tokens_after_the_last_real_sequence() -> None:
+    """No padded sequence: the stray rows fall into the last real sequence's offset range in the kernel's
+    search, which must still leave that sequence's outputs and state exact."""
+    c, w = 19, 4
+    t = sum(LENS)
+    x = torch.randn(t + NUM_STRAY, c)
+    weight = torch.randn(c, w)
+    state = torch.randn(6, w - 1, c)
+    s_ref, s_out = state.clone(), state.clone()
+    slots = torch.tensor([3, 5, 1], dtype=torch.int32)
+    ref = causal_conv1d_ref(x[:t], weight, s_ref, cu(LENS), slots)
+    out = causal_conv1d(x, weight, s_out, cu(LENS), slots)
+    assert rel_err(out[:t], ref) < 1e-6
+    assert torch.equal(s_out, s_ref)
 
 
 def test_paged_attention_with_the_grid_of_a_larger_batch() -> None:
