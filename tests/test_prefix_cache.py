@@ -48,12 +48,53 @@ def test_index_splits_where_prompts_were_shared_and_matches_leaving_a_token() ->
     assert index.split_point(d2, len(second), 0) == 48  # 3 shared full blocks
     assert index.split_point(d2, len(second), 32) is None  # only 16 more than a cached 32: not worth a cut
     assert PrefixIndex(BLOCK, min_split_tokens=64).split_point(d2, len(second), 0) is None
-    index.splitting.add(d2[2])  # another request is already cut there
+    index.add_split(d2[2])  # another request is already cut there
     assert index.split_point(d2, len(second), 0) is None
     index.remove_split(d2[2])
     assert index.match(d2, second) is None
     # an exact repeat splits at its last full block that leaves a token to compute
     assert index.split_point(d1, 48, 0) == 32
+
+
+def test_index_version_changes_with_every_answer_that_can_change() -> None:
+    """BlockManager.awaits_cut keeps a waiting request's answer until the index version moves: every change
+    to entries, cuts under way or the recorded blocks must move it, and a removed entry must stop matching."""
+    from nibble.engine.prefix_cache import PrefixEntry
+
+    gen = torch.Generator().manual_seed(2)
+    index = PrefixIndex(BLOCK, min_split_tokens=32)
+    prompt = _ids(70, gen)
+    d = block_digests(prompt, BLOCK)
+    seen = []
+
+    def moved() -> bool:
+        seen.append(index.version)
+        return len(seen) < 2 or seen[-1] != seen[-2]
+
+    assert moved()
+    index.record(d)
+    assert moved()
+    index.record(d[:2])  # nothing new
+    assert not moved()
+    index.add_split(d[3])  # the deepest block the prompt shares with what was recorded
+    assert moved() and index.awaits_split(d, len(prompt), 0)
+    index.remove_split(d[3])
+    assert moved() and not index.awaits_split(d, len(prompt), 0)
+    entry = PrefixEntry(d[1], 2 * BLOCK, [1, 2], 3, 0)
+    tailed = PrefixEntry(d[1], 2 * BLOCK + 3, [1, 2, 4], 5, 0, tail=tuple(prompt[32:35]))
+    index.add(entry)
+    assert moved() and index.match(d, prompt, touch=False) is entry
+    index.add(tailed)
+    assert moved() and index.match(d, prompt, touch=False) is tailed
+    index.remove(tailed)
+    assert moved() and index.match(d, prompt, touch=False) is entry
+    index.remove(entry)
+    assert moved() and index.match(d, prompt, touch=False) is None and not index.digests
+    small = PrefixIndex(BLOCK, max_seen=2)
+    small.record(d[:2])
+    v = small.version
+    small.record(d[2:3])  # evicts the oldest record
+    assert small.version > v + 1
 
 
 def test_blocks_are_shared_by_reference_and_evicted_least_recently_used_first() -> None:

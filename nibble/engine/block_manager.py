@@ -177,16 +177,21 @@ class BlockManager:
         split = self.prefix.split_point(digests, request.num_prompt_tokens, request.num_computed_tokens)
         request.cache_split_at = split
         if split is not None:
-            self.prefix.splitting.add(digests[split // self.block_size - 1])
+            self.prefix.add_split(digests[split // self.block_size - 1])
 
     def awaits_cut(self, request: Request) -> bool:
         """Whether a waiting request (never started) should wait for a running request's cut: the prefix it
         shares with earlier prompts is about to become an entry."""
         if self.prefix is None or not self.prefix.splitting or request.num_computed_tokens or request.num_preemptions:
             return False
+        # asked every round for every waiting request while a cut lasts: the answer is kept until the index changes
+        if request.awaits_cut_at is not None and request.awaits_cut_at[0] == self.prefix.version:
+            return request.awaits_cut_at[1]
         digests = request.block_digests(self.block_size)
         entry = self.prefix.match(digests, request.prompt_token_ids, touch=False)
-        return self.prefix.awaits_split(digests, request.num_prompt_tokens, entry.num_tokens if entry else 0)
+        awaits = self.prefix.awaits_split(digests, request.num_prompt_tokens, entry.num_tokens if entry else 0)
+        request.awaits_cut_at = (self.prefix.version, awaits)
+        return awaits
 
     def drop_split(self, request: Request) -> None:
         """Forget a request's cut (reached, or the request stopped or was preempted first)."""

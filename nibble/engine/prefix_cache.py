@@ -90,8 +90,13 @@ class PrefixIndex:
         self.min_split_tokens = min_split_tokens
         self.entries: OrderedDict[tuple[bytes, tuple[int, ...]], PrefixEntry] = OrderedDict()
         self.tails: dict[bytes, set[tuple[int, ...]]] = {}
+        # entries per block digest (aligned or with a tail after it)
+        self.digests: dict[bytes, int] = {}
         self.seen: OrderedDict[bytes, None] = OrderedDict()
         self.splitting: set[bytes] = set()
+        # bumped whenever entries, cuts under way or the recorded blocks change: what `match` and
+        # `awaits_split` answer for a prompt can only change with it
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -106,6 +111,8 @@ class PrefixIndex:
         bs = self.block_size
         for depth in range(min(len(digests), (n - 1) // bs), -1, -1):
             digest = digests[depth - 1] if depth else b""
+            if digest not in self.digests:
+                continue  # most depths: one lookup (a long prompt is matched every round while it waits)
             start = depth * bs
             for tail in sorted(self.tails.get(digest, ()), key=len, reverse=True):
                 if start + len(tail) < n and tuple(token_ids[start:start + len(tail)]) == tail:
@@ -148,18 +155,28 @@ class PrefixIndex:
     def record(self, digests: list[bytes]) -> None:
         """Remember a prompt's blocks (the oldest records go first beyond max_seen)."""
         for d in digests:
+            if d not in self.seen:
+                self.version += 1
             self.seen[d] = None
             self.seen.move_to_end(d)
         while len(self.seen) > self.max_seen:
             self.seen.popitem(last=False)
+            self.version += 1
+
+    def add_split(self, digest: bytes) -> None:
+        self.splitting.add(digest)
+        self.version += 1
 
     def add(self, entry: PrefixEntry) -> None:
+        self.version += 1
         self.entries[entry.key] = entry
+        self.digests[entry.digest] = self.digests.get(entry.digest, 0) + 1
         if entry.tail:
             self.tails.setdefault(entry.digest, set()).add(entry.tail)
 
     def remove_split(self, digest: bytes) -> None:
         self.splitting.discard(digest)
+        self.version += 1
 
     def evictable(self, current_round: int) -> PrefixEntry | None:
         """The entry to evict: the least recently used finished one never used since, else the least
@@ -174,7 +191,11 @@ class PrefixIndex:
         return fallback
 
     def remove(self, entry: PrefixEntry) -> None:
+        self.version += 1
         del self.entries[entry.key]
+        self.digests[entry.digest] -= 1
+        if not self.digests[entry.digest]:
+            del self.digests[entry.digest]
         if entry.tail:
             tails = self.tails[entry.digest]
             tails.discard(entry.tail)
@@ -184,7 +205,9 @@ class PrefixIndex:
     def clear(self) -> list[PrefixEntry]:
         """Forget everything; returns the entries (whose blocks and slot the caller releases)."""
         out = list(self.entries.values())
+        self.version += 1
         self.entries.clear()
+        self.digests.clear()
         self.tails.clear()
         self.seen.clear()
         self.splitting.clear()

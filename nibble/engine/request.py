@@ -85,6 +85,8 @@ class Request:
     spec_slots: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
+    # (prefix index version, answer) of the last BlockManager.awaits_cut
+    awaits_cut_at: tuple[int, bool] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
