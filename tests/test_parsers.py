@@ -292,6 +292,36 @@ def test_incomplete_call_at_end_is_kept_as_content(text: str) -> None:
         assert (got_text or "") + tail == (content or "")
 
 
+def test_closing_tags_inside_json_strings_stay_in_the_value() -> None:
+    """An object or array value whose strings hold the call format's own tags (code, markup): a tag inside a
+    string literal does not end the value, in one piece and streamed; text values keep ending at the first tag
+    (raw text has no quoting to tell the two apart)."""
+    opts = {"html": "<b>x</b></parameter>\n</function>", "q": 'say \"</tool_call>\"', "n": 1}
+    tags = ["</parameter>", "<parameter=city>", "plain"]
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=opts>\n" + json.dumps(opts) + "\n</parameter>\n"
+            "<parameter=tags>\n" + json.dumps(tags) + "\n</parameter>\n<parameter=city>\nLyon\n</parameter>\n"
+            "</function>\n</tool_call>")
+    want = [{"name": "get_weather", "arguments": json.dumps({"opts": opts, "tags": tags, "city": "Lyon"},
+                                                             ensure_ascii=False)}]
+    content, calls = extract_tool_calls(text, TOOLS)
+    assert content is None and _plain_calls(calls) == want
+    for pieces in _splits(text, random.Random(6)):
+        got_text, got_calls, parser = _stream_tools(pieces)
+        assert (got_text, got_calls, parser.incomplete_call_text) == (None, want, None), pieces
+    # an unbalanced quote with no later tag outside a string: at the end the first tag ends the value
+    broken = ('<tool_call>\n<function=get_weather>\n<parameter=opts>\n{"a": "x</parameter>\n'
+              "<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>")
+    content, calls = extract_tool_calls(broken, TOOLS)
+    assert content is None
+    assert json.loads(calls[0]["function"]["arguments"]) == {"opts": '{"a": "x', "city": "Lyon"}
+    for pieces in _splits(broken, random.Random(7)):
+        assert _stream_tools(pieces)[:2] == (None, _plain_calls(calls)), pieces
+    # text values: the first closing tag ends them
+    _, calls = extract_tool_calls("<tool_call>\n<function=get_weather>\n<parameter=note>\na \"</parameter>"
+                                  "\n</function>\n</tool_call>", TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"note": 'a "'}
+
+
 def test_convert_param_value() -> None:
     assert convert_param_value("42", {"type": "integer"}) == 42
     assert convert_param_value("4.0", {"type": "integer"}) == 4

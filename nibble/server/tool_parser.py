@@ -55,6 +55,19 @@ def _partial_suffix_len(text: str, tags: tuple[str, ...]) -> int:
     return 0
 
 
+def _inside_json_string(text: str) -> bool:
+    """Whether `text`, the start of a JSON value, ends inside a string literal (an unclosed quote)."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def _first_tag(text: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
     best, which = -1, None
     for tag in tags:
@@ -223,6 +236,7 @@ class ToolCallStreamParser:
         self._param = ""
         self._args_open = False
         self._function_closed = False
+        self._finishing = False
         self.incomplete_call_text: str | None = None
 
     @property
@@ -245,6 +259,12 @@ class ToolCallStreamParser:
         """Flush at the end of generation; returns (content_delta or None, tool-call deltas)."""
         content: list[str] = []
         calls: list[dict[str, Any]] = []
+        if self._state == self._PARAM:
+            # a JSON value still open: its closing tags inside strings count after all (see _value_end)
+            self._finishing = True
+            while self._step(content, calls):
+                pass
+            self._finishing = False
         if self._state == self._TEXT:
             rest = self._buf
             if self._after_call:
@@ -373,8 +393,23 @@ class ToolCallStreamParser:
         self._close_call(calls)
         return True
 
-    def _step_param(self, calls: list[dict[str, Any]]) -> bool:
+    def _value_end(self) -> tuple[int, str | None]:
+        """Where the current parameter's value ends. A JSON object or array value (not `is_text_param`) may
+        hold a closing tag inside one of its strings (code, markup): a tag met inside a string literal is
+        skipped, unless the generation ended (`finish`) with no later tag outside one, where the first tag
+        ends the value as it does for text values."""
         idx, tag = _first_tag(self._buf, _VALUE_END_TAGS)
+        schema = self._schemas.get(self._name, {}).get(self._param)
+        if tag is None or self._finishing or is_text_param(schema) or self._buf.lstrip()[:1] not in ("{", "["):
+            return idx, tag
+        start = 0
+        while tag is not None and _inside_json_string(self._buf[:start + idx]):
+            start += idx + 1
+            idx, tag = _first_tag(self._buf[start:], _VALUE_END_TAGS)
+        return (start + idx, tag) if tag is not None else (-1, None)
+
+    def _step_param(self, calls: list[dict[str, Any]]) -> bool:
+        idx, tag = self._value_end()
         if tag is None:
             return False
         value = self._buf[:idx]
