@@ -113,9 +113,6 @@ class EngineConfig:
         check(self.max_num_batched_tokens > self.num_speculative_tokens,
               f"--max-num-batched-tokens must exceed --num-speculative-tokens ({self.num_speculative_tokens}): a "
               f"verify step feeds each sequence {self.num_speculative_tokens + 1} tokens")
-        check(self.num_speculative_tokens == 0 or self.tensor_parallel_size == 1,
-              "speculative decoding runs on one GPU only for now: drop --num-speculative-tokens or use "
-              "--tensor-parallel-size 1")
         check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got '{self.device}'")

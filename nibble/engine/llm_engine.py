@@ -114,7 +114,8 @@ class LLMEngine:
                                     max_positions=max_model_len + 2 * self.num_spec_tokens, seed=config.seed,
                                     parallel=parallel, num_mtp_layers=num_mtp_layers(config, self.model_config))
             self.runner = ModelRunner(config, self.model_config, self.model, max_model_len, parallel=parallel,
-                                      broadcast=self.workers.broadcast if self.workers is not None else None)
+                                      broadcast=self.workers.broadcast if self.workers is not None else None,
+                                      send_tokens=self.workers.send_tokens if self.workers is not None else None)
         except BaseException:
             self.shutdown()
             raise

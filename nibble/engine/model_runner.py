@@ -1,5 +1,6 @@
 """Turns a scheduled batch into a model step: sizes and owns the caches, builds ForwardBatch, runs the
-model (through CUDA graphs for decode when possible) and returns the logits of the rows to sample.
+model (from a CUDA graph for decode and short prefill / mixed steps when one fits) and returns the logits of
+the rows to sample. Speculative-decoding steps: spec_steps.py.
 
 Under tensor parallelism every rank has a ModelRunner over its share of the model and caches. Rank 0's
 `execute` turns the schedule into `StepInputs`, hands them to `broadcast` (the other ranks receive them in
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import torch
@@ -21,11 +21,10 @@ from torch import nn
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
-from nibble.engine.request import PENDING_BASE, Request, TokenLogprobs
-from nibble.engine.sampler import sample_launch
+from nibble.engine.request import PENDING_BASE
 from nibble.engine.scheduler import ScheduledBatch
-from nibble.engine.spec_decode import VerifyGraphs, draft_after_prefill, draft_after_verify
-from nibble.engine.spec_sampler import accept_drafts
+from nibble.engine.spec_decode import VerifyGraphs
+from nibble.engine.spec_steps import SpecSteps
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
@@ -40,19 +39,6 @@ CPU_DEFAULT_KV_GB = 0.25
 STEP_KINDS = ("decode_graph", "mixed_graph", "verify_graph", "eager")
 # Verify graphs hold [B * (k + 1), vocab] fp32 logits per size; larger verify batches run eagerly.
 MAX_VERIFY_GRAPH_BATCH = 64
-
-
-@dataclass
-class SpecStepOutput:
-    """What a speculative-decoding step produced, per sampled row (rows: indices into the step's requests):
-    tokens (accepted drafts, then the new token), the next drafts, rows (positions in `rows`) whose logits
-    were not finite, and the log-probs of each token (None for rows that did not ask for them)."""
-
-    rows: list[int]
-    tokens: list[list[int]]
-    drafts: list[list[int]]
-    bad_rows: list[int]
-    logprobs: list[list[TokenLogprobs] | None]
 
 
 def rank_cache_bytes(model_config: ModelConfig, dims: dict[str, int], block_size: int, dtype: torch.dtype,
@@ -177,13 +163,17 @@ def _pending_inputs(ids: list[int], inflight_tokens: torch.Tensor | None, device
     return fixed, (idx[0], inflight_tokens[idx[1]])
 
 
-class ModelRunner:
+class ModelRunner(SpecSteps):
     """Owns one rank's caches and runs steps. parallel: this rank's place in the tensor-parallel group;
-    broadcast (rank 0 of a group only): sends each step's inputs to the other ranks before running it."""
+    broadcast (rank 0 of a group only): sends each step's inputs to the other ranks before running it;
+    send_tokens (rank 0) / recv_tokens (the others): under speculative decoding, the tokens rank 0 samples
+    within a step, which the MTP head's passes on every rank need."""
 
     def __init__(self, engine: EngineConfig, model_config: ModelConfig, model: nn.Module, max_model_len: int,
                  parallel: ParallelContext | None = None,
-                 broadcast: Callable[[StepInputs], None] | None = None) -> None:
+                 broadcast: Callable[[StepInputs], None] | None = None,
+                 send_tokens: Callable[[torch.Tensor], None] | None = None,
+                 recv_tokens: Callable[[], torch.Tensor] | None = None) -> None:
         self.engine = engine
         self.model_config = model_config
         self.model = model
@@ -192,6 +182,8 @@ class ModelRunner:
         self.block_size = engine.block_size
         self.parallel = parallel or SINGLE
         self.broadcast = broadcast
+        self.send_tokens = send_tokens
+        self.recv_tokens = recv_tokens
         self.num_blocks, self.num_state_slots = cache_budget(engine, model_config, max_model_len, model, self.device,
                                                              self.parallel)
         self.caches = ModelCaches.allocate(model_config, self.num_blocks, self.block_size, self.num_state_slots,
@@ -225,6 +217,8 @@ class ModelRunner:
                 self.graphs = None
             if self.parallel.host_min(int(self.mixed_graphs is not None)) == 0:
                 self.mixed_graphs = None
+            if self.parallel.host_min(int(self.verify_graphs is not None)) == 0:
+                self.verify_graphs = None
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
@@ -263,7 +257,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size, MAX_VERIFY_GRAPH_BATCH)
         graphs = VerifyGraphs(self.model, self.caches, max_bs, self.num_spec_tokens, self.max_num_blocks_per_seq,
-                              self.max_seq_len, self.block_size, self.device)
+                              self.max_seq_len, self.block_size, self.device,
+                              thread_local_capture=self.parallel.is_parallel)
         try:
             graphs.capture()
         except Exception as e:  # any capture failure means: run eagerly
@@ -295,87 +290,6 @@ class ModelRunner:
             self.caches.copy_kv_blocks(step.block_copies)
         if step.new_state_slots:
             self.caches.reset_state_slots(step.new_state_slots)
-
-    @torch.inference_mode()
-    def execute_spec(self, sched: ScheduledBatch, generator: torch.Generator | None,
-                     bitmask: Callable[[list[Request]], tuple[list[int], torch.Tensor] | None]) -> SpecStepOutput:
-        """Run one step under speculative decoding and wait for its tokens (spec_decode.py): a verify step
-        (sched.spec_verify) or a prefill step. bitmask(requests): the structured-output bitmask of the rows
-        sampled by the regular sampler."""
-        step = StepInputs.from_schedule(sched, speculative=True)
-        self._prepare_caches(step)
-        if sched.spec_verify:
-            return self._verify(step, sched.requests, generator, bitmask)
-        batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
-                                   self.block_size, self.device)
-        mixed = self.mixed_graphs
-        size = mixed.padded_size(batch.num_tokens, step.num_seqs, batch.max_query_len) if mixed is not None else None
-        if mixed is not None and size is not None:
-            # the target pass from its graph (every token's hidden row); the MTP head's pass below runs eagerly
-            mixed.load(size, step.token_ids, step.context_lens, step.block_tables, step.state_slots,
-                       self.block_size)
-            hidden = mixed.run(size, batch.num_tokens)
-            self.step_counts["mixed_graph"] += 1
-        else:
-            hidden = self.model(batch, self.caches)
-            self.step_counts["eager"] += 1
-        rows = step.sample_rows
-        sampled = [sched.requests[i] for i in rows]
-        pending = None
-        if rows:
-            idx = batch.logits_indices[to_device_async(torch.tensor(rows, dtype=torch.int64), self.device)]
-            pending = sample_launch(self.model.compute_logits(hidden[idx]), sampled, generator, bitmask(sampled))
-        drafts = draft_after_prefill(self.model, self.caches, batch, hidden, step.next_token_ids, rows,
-                                     pending.token_ids if pending is not None else None, self.block_size,
-                                     self.num_spec_tokens)
-        if pending is None or drafts is None:
-            return SpecStepOutput([], [], [], [], [])
-        host_drafts = drafts.cpu().tolist()
-        result = pending.result()
-        return SpecStepOutput(rows, [[t] for t in result.token_ids], host_drafts, result.bad_rows,
-                              [[lp] if lp is not None else None for lp in result.logprobs])
-
-    def _verify(self, step: StepInputs, requests: list[Request], generator: torch.Generator | None,
-                bitmask: Callable[[list[Request]], tuple[list[int], torch.Tensor] | None]) -> SpecStepOutput:
-        num_seqs, n = step.num_seqs, self.num_spec_tokens + 1
-        graphs = self.verify_graphs
-        bs = graphs.padded_size(num_seqs) if graphs is not None else None
-        if graphs is not None and bs is not None:
-            graphs.load(bs, step.token_ids, step.context_lens, step.block_tables, step.spec_slots)
-            logits = graphs.run_target(bs)[:num_seqs]
-            self.step_counts["verify_graph"] += 1
-        else:
-            batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
-                                       self.block_size, self.device)
-            batch.spec_slots = to_device_async(torch.tensor(step.spec_slots, dtype=torch.int32), self.device)
-            hidden = self.model(batch, self.caches)
-            self.step_counts["eager"] += 1
-            logits = self.model.compute_logits(hidden).view(num_seqs, n, -1)
-        drafts_in = to_device_async(torch.tensor([t[1:] for t in step.token_ids], dtype=torch.int64), self.device)
-        acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests))
-        if graphs is not None and bs is not None:
-            drafts = graphs.run_draft(bs, acc.tokens, acc.num_accepted)[:num_seqs]
-        else:
-            drafts = draft_after_verify(self.model, self.caches, batch, hidden, batch.input_ids.view(num_seqs, n),
-                                        acc.tokens, acc.num_accepted, self.block_size, self.num_spec_tokens,
-                                        max(step.context_lens) + 2 * self.num_spec_tokens)
-        host = torch.cat((acc.tokens, acc.num_accepted[:, None], acc.bad[:, None].long(), drafts), dim=1).cpu()
-        rows = host.tolist()
-        full = acc.full.result() if acc.full is not None else None
-        tokens = [r[: r[n] + 1] for r in rows]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * num_seqs
-        if full is not None:
-            for j, i in enumerate(acc.full_rows):
-                lp = full.logprobs[j]
-                logprobs[i] = [lp] if lp is not None else None
-        if acc.logprob_rows:
-            chosen, *top = (t.cpu().tolist() for t in acc.logprob_parts)
-            for j, i in enumerate(acc.logprob_rows):
-                want = requests[i].sampling_params.logprobs or 0
-                logprobs[i] = [TokenLogprobs(tok, chosen[j][t], dict(zip(top[1][j][t][:want], top[0][j][t][:want]))
-                                             if top else {}) for t, tok in enumerate(tokens[i])]
-        bad = [i for i, r in enumerate(rows) if r[n + 1]]
-        return SpecStepOutput(list(range(num_seqs)), tokens, [r[n + 2:] for r in rows], bad, logprobs)
 
     @torch.inference_mode()
     def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -5,10 +5,12 @@ Rank 0 is the engine process. `WorkerGroup.start` hosts the rendezvous store, sp
 `python -m nibble.engine.worker` subprocesses (spec pickled over their stdin, which then stays open as
 a liveness pipe: a worker exits when it reads EOF, i.e. when rank 0 is gone), joins the process group and
 returns; each step rank 0 broadcasts the step's `StepInputs` over a gloo group (`StepChannel`), every rank
-runs the forward, and rank 0 alone samples. `shutdown` (also run at interpreter exit) tells the workers
-to leave their step loop and reaps them; workers that never reached the loop (rank 0 failed while loading)
-are killed instead. A monitor thread notices a worker that dies: it stops the others and aborts the
-process group, so rank 0 fails its step instead of waiting in a collective forever.
+runs the forward, and rank 0 alone samples. Under speculative decoding the MTP head's passes follow the
+sampling, so rank 0 then sends what it sampled (`StepChannel.send_tokens`) and every rank drafts.
+`shutdown` (also run at interpreter exit) tells the workers to leave their step loop and reaps them;
+workers that never reached the loop (rank 0 failed while loading) are killed instead. A monitor thread
+notices a worker that dies: it stops the others and aborts the process group, so rank 0 fails its step
+instead of waiting in a collective forever.
 
 NVLink multicast (NVLS) is off in every rank's environment: the GPU hosts this runs on forbid it.
 """
@@ -42,7 +44,7 @@ PARALLEL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 PG_TIMEOUT = datetime.timedelta(minutes=30)
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 30.0
-_MSG_STEP, _MSG_SHUTDOWN = 1, 2
+_MSG_STEP, _MSG_SHUTDOWN, _MSG_TOKENS = 1, 2, 3
 _READY_KEY = "nibble/worker_ready/"
 _SERVING_KEY = "nibble/worker_serving/"
 
@@ -114,9 +116,28 @@ class StepChannel:
         kind, length = int(self._header[0]), int(self._header[1])
         if kind == _MSG_SHUTDOWN:
             return None
+        if kind != _MSG_STEP:
+            raise RuntimeError(f"tensor-parallel channel: expected a step, got message kind {kind}")
         payload = torch.empty(length, dtype=torch.int32)
         dist.broadcast(payload, src=0, group=self.group)
         return StepInputs.unpack(payload)
+
+    def send_tokens(self, tokens: torch.Tensor) -> None:
+        """Token ids (any shape, int64) rank 0 sampled within a step, for the passes after the sampling."""
+        flat = tokens.reshape(-1).to("cpu", torch.int64)
+        self._header[0], self._header[1] = _MSG_TOKENS, flat.numel()
+        dist.broadcast(self._header, src=0, group=self.group)
+        dist.broadcast(flat, src=0, group=self.group)
+
+    def recv_tokens(self) -> torch.Tensor:
+        """What `send_tokens` sent: int64 [n] on the CPU."""
+        dist.broadcast(self._header, src=0, group=self.group)
+        kind, length = int(self._header[0]), int(self._header[1])
+        if kind != _MSG_TOKENS:
+            raise RuntimeError(f"tensor-parallel channel: expected sampled tokens, got message kind {kind}")
+        flat = torch.empty(length, dtype=torch.int64)
+        dist.broadcast(flat, src=0, group=self.group)
+        return flat
 
 
 class WorkerGroup:
@@ -172,6 +193,12 @@ class WorkerGroup:
         if self._state["failed"] is not None:
             raise WorkerError(str(self._state["failed"]))
         self.channel.send(step)
+
+    def send_tokens(self, tokens: torch.Tensor) -> None:
+        """Send the tokens rank 0 sampled within a step to ranks 1..N-1 (`StepChannel.send_tokens`)."""
+        if self._state["failed"] is not None:
+            raise WorkerError(str(self._state["failed"]))
+        self.channel.send_tokens(tokens)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""

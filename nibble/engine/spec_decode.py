@@ -128,8 +128,11 @@ class VerifyGraphs:
     sharing static inputs and one memory pool. Padded rows use block 0 and state slot 0 (scratch)."""
 
     def __init__(self, model: nn.Module, caches: ModelCaches, max_batch_size: int, num_spec_tokens: int,
-                 max_num_blocks_per_seq: int, max_seq_len: int, block_size: int, device: torch.device) -> None:
+                 max_num_blocks_per_seq: int, max_seq_len: int, block_size: int, device: torch.device,
+                 thread_local_capture: bool = False) -> None:
         self.model = model
+        # tensor-parallel ranks capture NCCL collectives: see DecodeGraphs
+        self.capture_error_mode = "thread_local" if thread_local_capture else "global"
         self.caches = caches
         self.k = num_spec_tokens
         self.n = n = num_spec_tokens + 1
@@ -180,12 +183,12 @@ class VerifyGraphs:
             self._draft(bs, hidden)
             torch.cuda.synchronize(self.device)
             target = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(target, pool=pool):
+            with torch.cuda.graph(target, pool=pool, capture_error_mode=self.capture_error_mode):
                 hidden, logits = self._target(bs)
             if pool is None:
                 pool = target.pool()
             draft = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(draft, pool=pool):
+            with torch.cuda.graph(draft, pool=pool, capture_error_mode=self.capture_error_mode):
                 drafts = self._draft(bs, hidden)
             self.graphs[bs] = _VerifyGraph(target, draft, logits, drafts)
             self._hidden[bs] = hidden

@@ -6,10 +6,11 @@ Positions, slot mapping and cu_seqlens follow from these on every rank (`Forward
 not sent.
 
 On the wire a step is one int32 tensor:
-[num_seqs, num_new_slots, num_sample_rows, num_state_copies, num_block_copies, query_lens (num_seqs),
- context_lens (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows,
- state copies and block copies (source, destination pairs), token ids (all sequences), block ids (all
- sequences)].
+[num_seqs, num_new_slots, num_sample_rows, num_state_copies, num_block_copies, spec_width, has_next_ids,
+ query_lens (num_seqs), context_lens (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs),
+ new_state_slots, sample_rows, state copies and block copies (source, destination pairs), token ids (all
+ sequences), block ids (all sequences), spec_slots (num_seqs x spec_width), next_token_ids (num_seqs if
+ has_next_ids)].
 """
 
 from __future__ import annotations
@@ -84,18 +85,27 @@ class StepInputs:
             next_token_ids=next_ids,
         )
 
+    @property
+    def is_speculative(self) -> bool:
+        """A step of speculative decoding: a verify step (spec_slots) or a prefill step (next_token_ids)."""
+        return bool(self.spec_slots or self.next_token_ids)
+
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
-        if self.spec_slots or self.next_token_ids:
-            raise RuntimeError("speculative decoding steps are not sent to tensor-parallel ranks")
         n = self.num_seqs
-        head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies)]
+        width = len(self.spec_slots[0]) if self.spec_slots else 0
+        if (self.spec_slots and len(self.spec_slots) != n) or any(len(r) != width for r in self.spec_slots) \
+                or (self.next_token_ids and len(self.next_token_ids) != n):
+            raise ValueError("spec_slots / next_token_ids must have one row per sequence, spec_slots rows equal")
+        head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies),
+                width, int(bool(self.next_token_ids))]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
                      (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
                      self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.block_copies),
-                     chain.from_iterable(self.token_ids), chain.from_iterable(self.block_tables))
-        count = (5 + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
-                 + 2 * len(self.block_copies))
+                     chain.from_iterable(self.token_ids), chain.from_iterable(self.block_tables),
+                     chain.from_iterable(self.spec_slots), self.next_token_ids)
+        count = (len(head) + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
+                 + 2 * len(self.block_copies) + n * width + len(self.next_token_ids))
         count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
         # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
         return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
@@ -103,8 +113,8 @@ class StepInputs:
     @classmethod
     def unpack(cls, message: torch.Tensor) -> StepInputs:
         v = message.numpy().tolist()
-        n, n_new, n_sample, n_copies, n_block_copies = v[0], v[1], v[2], v[3], v[4]
-        pos = 5
+        n, n_new, n_sample, n_copies, n_block_copies, width, has_next = v[:7]
+        pos = 7
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -118,6 +128,8 @@ class StepInputs:
         block_copies = take(2 * n_block_copies)
         tokens = take(sum(query_lens))
         blocks = take(sum(table_lens))
+        spec = take(n * width)
+        next_ids = take(n) if has_next else []
         tok_cu = [0, *accumulate(query_lens)]
         blk_cu = [0, *accumulate(table_lens)]
         return cls(
@@ -129,4 +141,6 @@ class StepInputs:
             sample_rows=sample_rows,
             state_copies=list(zip(copies[::2], copies[1::2])),
             block_copies=list(zip(block_copies[::2], block_copies[1::2])),
+            spec_slots=[spec[i * width:(i + 1) * width] for i in range(n)] if width else [],
+            next_token_ids=next_ids,
         )

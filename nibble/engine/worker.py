@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nibble.checkpoint.loader import load_model
 from nibble.engine.kernels import select_engine_kernels
-from nibble.engine.model_runner import ModelRunner
+from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import (
     StepChannel,
     WorkerSpec,
@@ -47,14 +47,19 @@ def run_worker(spec: WorkerSpec) -> None:
     model_config = ModelConfig.from_pretrained(spec.model_dir)
     kernels, _ = select_engine_kernels(config, model_config)
     model = load_model(spec.model_dir, model_config, kernels, dtype=config.torch_dtype, device=device,
-                       load_format=config.load_format, max_positions=spec.max_model_len, seed=config.seed,
-                       parallel=parallel)
-    runner = ModelRunner(config, model_config, model, spec.max_model_len, parallel=parallel)
+                       load_format=config.load_format,
+                       max_positions=spec.max_model_len + 2 * config.num_speculative_tokens, seed=config.seed,
+                       parallel=parallel, num_mtp_layers=num_mtp_layers(config, model_config))
     channel = StepChannel(parallel)
+    runner = ModelRunner(config, model_config, model, spec.max_model_len, parallel=parallel,
+                         recv_tokens=channel.recv_tokens)
     mark_serving(store, spec.rank)
     logger.info("rank %d ready on %s", spec.rank, device)
     while (step := channel.recv()) is not None:
-        runner.run(step)
+        if step.is_speculative:
+            runner.follow_spec(step)
+        else:
+            runner.run(step)
     dist.destroy_process_group()
 
 

@@ -78,6 +78,68 @@ def test_engine_tp2_matches_single_process(expert_parallel: bool, checkpoints: d
         assert [p.returncode for p in workers.procs] == [0]
 
 
+def test_speculative_decoding_tp2_matches_single_process(checkpoints: dict[str, Path],
+                                                         expected: list[list[int]]) -> None:
+    """MTP speculative decoding under tensor parallelism: rank 1 follows every prefill and verify step, receives
+    what rank 0 sampled or accepted, and drafts with its share of the head. Drafts are the expected
+    continuation (so that verify steps accept some: rank 0 sets them in the step inputs both ranks get), every
+    third one corrupted; the generations equal the single-process engine's without speculation."""
+    model = str(checkpoints["fp32"])
+    llm = LLM(model=model, tensor_parallel_size=2, num_speculative_tokens=2, **ENGINE_ARGS)
+    engine = llm.engine
+    refs = {tuple(p): p + e for p, e in zip(_prompts(engine.model_config.vocab_size), expected)}
+    real = engine.runner.execute_spec
+    count = [0]
+
+    def oracle(sched, *args):  # type: ignore[no-untyped-def]
+        if sched.spec_verify:
+            for req in sched.requests:
+                ref = refs[tuple(req.prompt_token_ids)]
+                start = req.num_computed_tokens + 1
+                count[0] += 1
+                req.draft_token_ids = [(ref[p] if p < len(ref) else 0) + (count[0] % 3 == 0 and j == 0)
+                                       for j, p in enumerate(range(start, start + 2))]
+        return real(sched, *args)
+
+    engine.runner.execute_spec = oracle  # type: ignore[method-assign]
+    try:
+        assert _generate(llm) == expected
+        stats = engine.stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        assert engine.blocks.all_free()
+    finally:
+        engine.shutdown()
+
+
+def _head_drafts(llm: LLM) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Generations with the MTP head's own drafts, and the drafts each verify step checked."""
+    runner = llm.engine.runner
+    real = runner.execute_spec
+    drafts: list[list[list[int]]] = []
+
+    def spy(sched, *args):  # type: ignore[no-untyped-def]
+        if sched.spec_verify:
+            drafts.append([list(r.draft_token_ids) for r in sched.requests])
+        return real(sched, *args)
+
+    runner.execute_spec = spy  # type: ignore[method-assign]
+    return _generate(llm), drafts
+
+
+def test_mtp_head_drafts_the_same_under_tensor_parallelism(checkpoints: dict[str, Path],
+                                                           expected: list[list[int]]) -> None:
+    """The head's own drafts (its layer split over the ranks like the model's) are those of one process."""
+    model = str(checkpoints["fp32"])
+    single, single_drafts = _head_drafts(LLM(model=model, num_speculative_tokens=2, **ENGINE_ARGS))
+    llm = LLM(model=model, tensor_parallel_size=2, num_speculative_tokens=2, **ENGINE_ARGS)
+    try:
+        tp, tp_drafts = _head_drafts(llm)
+    finally:
+        llm.engine.shutdown()
+    assert single == tp == expected
+    assert len(tp_drafts) > 5 and tp_drafts == single_drafts
+
+
 def test_prefix_cache_state_copies_reach_every_rank(checkpoints: dict[str, Path]) -> None:
     """Requests starting from a cached prefix under tensor parallelism: the GDN state and KV block copies
     travel in the step inputs to rank 1 as well, so the generations equal the single-process engine's
