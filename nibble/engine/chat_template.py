@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -101,6 +102,22 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
     return env
+
+
+def load_chat_template(value: str) -> str:
+    """The template a `--chat-template` value names, as vLLM reads the flag: the contents of the file at that
+    path, else the value itself when it is Jinja (holds `{{` or `{%`). Raises ChatTemplateError otherwise."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(f"--chat-template {value}: cannot read it ({exc})") from exc
+    except ValueError:  # not a usable path (e.g. a template with NUL bytes)
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ChatTemplateError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
 
 
 class ChatTemplate:

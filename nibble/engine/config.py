@@ -53,6 +53,8 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
+    # a Jinja chat template, or the path of a file holding one, in place of the tokenizer's (--chat-template)
+    chat_template: str | None = None
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"

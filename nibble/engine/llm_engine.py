@@ -32,6 +32,7 @@ import torch
 from nibble.checkpoint.demo import resolve_model_path
 from nibble.checkpoint.loader import load_model
 from nibble.engine.block_manager import BlockManager
+from nibble.engine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationDefaults
@@ -91,8 +92,18 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.device = config.torch_device
         tok_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir
-        self.tokenizer: Tokenizer | None = (Tokenizer.from_pretrained(tok_dir)
+        template = None
+        if config.chat_template is not None:
+            try:
+                template = load_chat_template(config.chat_template)
+                ChatTemplate(template)
+            except ChatTemplateError as exc:
+                raise EngineConfigError(str(exc) if str(exc).startswith("--chat-template")
+                                        else f"--chat-template: {exc}") from exc
+        self.tokenizer: Tokenizer | None = (Tokenizer.from_pretrained(tok_dir, chat_template=template)
                                             if (tok_dir / "tokenizer.json").is_file() else None)
+        if template is not None and self.tokenizer is None:
+            raise EngineConfigError(f"--chat-template: {tok_dir} has no tokenizer.json to render chats with")
         self.generation_defaults = GenerationDefaults.from_pretrained(self.model_dir)
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > self.model_config.max_position_embeddings:

@@ -84,8 +84,9 @@ class Tokenizer:
         self._eos_token_ids = tuple(dict.fromkeys(eos))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load from a model directory holding at least tokenizer.json."""
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load from a model directory holding at least tokenizer.json; `chat_template` (Jinja source) replaces
+        the directory's template."""
         root = Path(model_dir)
         tok_path = root / "tokenizer.json"
         if not tok_path.is_file():
@@ -106,11 +107,13 @@ class Tokenizer:
         # A chat_template.jinja file takes precedence over the copy inside tokenizer_config.json, as in
         # transformers, so editing that file is enough to change the template.
         template_file = root / "chat_template.jinja"
-        chat_template: str | dict[str, str] | None
-        if template_file.is_file():
-            chat_template = template_file.read_text(encoding="utf-8")
+        templates: str | dict[str, str] | None
+        if chat_template is not None:
+            templates = chat_template
+        elif template_file.is_file():
+            templates = template_file.read_text(encoding="utf-8")
         else:
-            chat_template = cls._config_templates(config.get("chat_template"), root / "tokenizer_config.json")
+            templates = cls._config_templates(config.get("chat_template"), root / "tokenizer_config.json")
 
         eos_ids = _as_id_list((_read_json(root / "generation_config.json") or {}).get("eos_token_id"))
         model_config = _read_json(root / "config.json") or {}
@@ -118,7 +121,7 @@ class Tokenizer:
         text_config = model_config.get("text_config")
         if isinstance(text_config, dict):
             eos_ids += _as_id_list(text_config.get("eos_token_id"))
-        return cls(backend, chat_template=chat_template, special_tokens=special, eos_token_ids=eos_ids)
+        return cls(backend, chat_template=templates, special_tokens=special, eos_token_ids=eos_ids)
 
     @staticmethod
     def _add_missing_tokens(backend: _Backend, config: dict[str, Any], path: Path) -> None:

@@ -12,9 +12,11 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -55,12 +57,14 @@ def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
-              owns_engine: bool = False) -> FastAPI:
+              owns_engine: bool = False, cors: dict[str, Any] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
     metrics and version stay open). `served_model_name`: the name clients use (default: the engine's).
-    `owns_engine`: shut the engine down when the app stops.
+    `owns_engine`: shut the engine down when the app stops. `cors`: CORSMiddleware settings (allow_origins,
+    allow_methods, allow_headers, allow_credentials), so that browser pages on other origins can call the API;
+    None adds no CORS headers.
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
@@ -82,6 +86,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
                   openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
     auth = [Depends(_auth_dependency(api_key))]
 
     def error_json(err: APIError) -> JSONResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,6 +23,10 @@ from typing import Any
 logger = logging.getLogger("nibble.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# vLLM's names of the formats nibble parses: Qwen3.5 calls tools in the Qwen3-Coder XML format and thinks in
+# <think> blocks.
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 GRACEFUL_SHUTDOWN_S = 10
 
 # CLI destination -> EngineConfig field, for the flags that map one to one.
@@ -30,7 +35,7 @@ _ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
-    "max_waiting_requests", "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
+    "max_waiting_requests", "chat_template", "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
 )
 
 
@@ -47,6 +52,31 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # overwrite it with a default.
     server.add_argument("--log-level", default=argparse.SUPPRESS, type=str.lower, choices=LOG_LEVELS,
                         help="(default: info)")
+
+    server.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"],
+                        help="CORS: origins browsers may call from, a JSON list (default: %(default)s, as vLLM)")
+    server.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"],
+                        help="CORS: allowed methods, a JSON list (default: %(default)s)")
+    server.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"],
+                        help="CORS: allowed request headers, a JSON list (default: %(default)s)")
+    server.add_argument("--allowed-credentials", action="store_true",
+                        help="CORS: allow credentials (cookies, authorization headers)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or the path of a file holding one, in place of the model's")
+
+    compat = parser.add_argument_group(
+        "vLLM compatibility", "flags vLLM needs for what nibble always does with Qwen3.5; accepted so that a vLLM "
+        "command line works, with the values that describe nibble's behaviour")
+    compat.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="(always on: tool calls in the Qwen3-Coder format become OpenAI tool_calls)")
+    compat.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="(the Qwen3-Coder XML format is the one parsed)")
+    compat.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="(always on: text up to </think> becomes reasoning_content)")
+    compat.add_argument("--trust-remote-code", action="store_true",
+                        help="(nibble runs no code from the checkpoint; accepted and ignored)")
+    compat.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
+                        help="(nibble does not log request contents)")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="demo",
@@ -112,6 +142,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _json_list(flag: str) -> Any:
+    """argparse type of a flag taking a JSON list of strings (vLLM's CORS flags)."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+        return value
+
+    return parse
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
@@ -122,6 +166,14 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs = {**parse_speculative_config(spec), **kwargs}
     kwargs.setdefault("model", "demo")
     return kwargs
+
+
+def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Starlette CORSMiddleware keyword arguments from the CORS flags."""
+    return {"allow_origins": getattr(args, "allowed_origins", ["*"]),
+            "allow_methods": getattr(args, "allowed_methods", ["*"]),
+            "allow_headers": getattr(args, "allowed_headers", ["*"]),
+            "allow_credentials": bool(getattr(args, "allowed_credentials", False))}
 
 
 def _fail(message: str) -> int:
@@ -204,7 +256,7 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
     from nibble.server.serving_base import engine_core
 
     app = build_app(engine, api_key=args.api_key or None, served_model_name=args.served_model_name,
-                    owns_engine=True)
+                    owns_engine=True, cors=cors_settings(args))
     # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long.
     config = uvicorn.Config(app, log_level=args.log_level, log_config=None, access_log=False,
                             timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

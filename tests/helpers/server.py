@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -37,9 +38,9 @@ class ServerHandle:
         self.thread.join(timeout=10)
 
 
-def start_server(engine: AsyncEngine, api_key: str | None = None) -> ServerHandle:
-    """Serve `engine` with uvicorn in a background thread on a free port of 127.0.0.1."""
-    app = build_app(engine, api_key=api_key)
+def start_server(engine: AsyncEngine, api_key: str | None = None, cors: dict[str, Any] | None = None) -> ServerHandle:
+    """Serve `engine` with uvicorn in a background thread on a free port of 127.0.0.1 (`cors`: see build_app)."""
+    app = build_app(engine, api_key=api_key, cors=cors)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from nibble.engine.config import EngineConfig
-from nibble.server.launch import add_cli_args, engine_config_kwargs, run_cli
+from nibble.server.launch import add_cli_args, cors_settings, engine_config_kwargs, run_cli
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -67,6 +67,8 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--port", "{busy}"], "cannot listen"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
+    (["--chat-template", "{% if %}"], "--chat-template"),
 ])
 def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +85,57 @@ def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Pat
     assert code != 0
     assert needle in err and "Traceback" not in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_vllm_command_line_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags vLLM needs for Qwen3.5's tool calls and reasoning (what nibble always does), and its CORS and
+    chat-template flags, parse; unknown parser names are argparse errors naming the choices."""
+    args = parse("--model", "/m", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+                 "--reasoning-parser", "qwen3", "--trust-remote-code", "--disable-log-requests",
+                 "--allowed-origins", '["https://app.example"]', "--allowed-credentials", "--chat-template", "t.jinja")
+    assert EngineConfig(**engine_config_kwargs(args)).chat_template == "t.jinja"
+    assert cors_settings(args) == {"allow_origins": ["https://app.example"], "allow_methods": ["*"],
+                                   "allow_headers": ["*"], "allow_credentials": True}
+    for bad in (["--tool-call-parser", "hermes"], ["--reasoning-parser", "granite"],
+                ["--allowed-origins", "https://app.example"]):
+        with pytest.raises(SystemExit) as info:
+            parse(*bad)
+        assert info.value.code == 2
+    assert "qwen3_coder" in capsys.readouterr().err
+
+
+def test_chat_template_and_cors(tmp_path: Path) -> None:
+    """--chat-template replaces the model's template (a file here); CORS answers a browser's preflight."""
+    from nibble.engine.async_engine import AsyncEngine
+    from tests.helpers.server import start_server
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}", encoding="utf-8")
+    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu", max_model_len=256,
+                                                  chat_template=str(template)))
+    handle = start_server(engine, cors=cors_settings(parse("--allowed-origins", '["https://app.example"]')))
+    try:
+        tok = engine.engine.tokenizer
+        assert tok is not None
+        r = httpx.post(handle.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi there"}]})
+        assert r.status_code == 200 and r.json()["tokens"] == tok.encode("<<hi there>>", add_special_tokens=False)
+        pre = httpx.options(handle.url + "/v1/chat/completions",
+                            headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(handle.url + "/v1/chat/completions",
+                              headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        handle.stop()
+        engine.shutdown()
+    inline = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu", max_model_len=256,
+                                                  chat_template="{{ messages[0]['content'] }}!"))
+    try:
+        assert inline.engine.tokenizer is not None
+        assert inline.engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+    finally:
+        inline.shutdown()
 
 
 def _free_port() -> int:
