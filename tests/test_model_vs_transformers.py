@@ -115,3 +115,30 @@ def test_greedy_generation_matches_transformers(checkpoint: tuple[Path, object])
                                  eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
     assert llm.engine.blocks.all_free()
+
+
+def test_prompt_logprobs_match_transformers(checkpoint: tuple[Path, object]) -> None:
+    """Log-probabilities of every prompt token given the ones before it (prompts chunked over several steps,
+    batched with each other), against transformers' forward pass over the whole prompt: the prompt tokens'
+    own values and the top-3 alternatives."""
+    model_dir, reference = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+              max_model_len=64)
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in [*PROMPT_LENS, 40]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        entries = out.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for p in range(1, len(prompt)):
+            entry = entries[p]
+            assert entry is not None and entry.token_id == prompt[p]
+            assert abs(entry.logprob - float(ref[p - 1, prompt[p]])) < 1e-4
+            top_ids = torch.topk(ref[p - 1], 3).indices
+            assert set(entry.top) == set(top_ids.tolist())
+            for t, v in entry.top.items():
+                assert abs(v - float(ref[p - 1, t])) < 1e-4
+    assert llm.engine.blocks.all_free()

@@ -332,11 +332,11 @@ def test_a_failed_step_leaves_nothing_in_the_cache(monkeypatch: pytest.MonkeyPat
     run = engine.runner.run
     calls = []
 
-    def failing(step, inflight_tokens=None):  # type: ignore[no-untyped-def]
+    def failing(step, inflight_tokens=None, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(step)
         if step.state_copies:
             raise RuntimeError("injected failure")
-        return run(step, inflight_tokens)
+        return run(step, inflight_tokens, **kwargs)
 
     monkeypatch.setattr(engine.runner, "run", failing)
     with pytest.raises(RuntimeError, match="injected"):

@@ -141,6 +141,8 @@ class BlockManager:
         """The longest cached prefix of a request about to start (nothing computed yet), pinned to this round."""
         if self.prefix is None or request.num_computed_tokens or request.block_ids:
             return None
+        if request.sampling_params.prompt_logprobs is not None:
+            return None  # the log-probabilities of the cached positions were never computed
         entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids)
         if entry is not None:
             entry.round = self.round
@@ -182,7 +184,8 @@ class BlockManager:
     def awaits_cut(self, request: Request) -> bool:
         """Whether a waiting request (never started) should wait for a running request's cut: the prefix it
         shares with earlier prompts is about to become an entry."""
-        if self.prefix is None or not self.prefix.splitting or request.num_computed_tokens or request.num_preemptions:
+        if self.prefix is None or not self.prefix.splitting or request.num_computed_tokens or request.num_preemptions \
+                or request.sampling_params.prompt_logprobs is not None:
             return False
         # asked every round for every waiting request while a cut lasts: the answer is kept until the index changes
         if request.awaits_cut_at is not None and request.awaits_cut_at[0] == self.prefix.version:

@@ -54,6 +54,15 @@ logger = logging.getLogger("nibble.engine")
 DEFAULT_MAX_MODEL_LEN = 32768
 
 
+def _store_prompt_logprobs(req: Request, first: int, entries: list[TokenLogprobs]) -> None:
+    """Put a step's prompt log-probabilities (for positions first, first + 1, ...) into the request's list
+    (entry p: prompt token p's; a request recomputed after preemption writes the same values again)."""
+    end = first + len(entries)
+    if len(req.prompt_logprobs) < end:
+        req.prompt_logprobs.extend([None] * (end - len(req.prompt_logprobs)))
+    req.prompt_logprobs[first:end] = entries
+
+
 class RequestError(ValueError):
     """A request the engine refuses (HTTP 400): too long, bad token ids, duplicate id..."""
 
@@ -239,6 +248,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if params.prompt_logprobs is not None and self.num_spec_tokens:
+            raise RequestError("prompt_logprobs is not supported with speculative decoding (--num-speculative-tokens)")
         biased = [t for t in (params.logit_bias or {}) if t >= vocab]
         if biased:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {biased[:5]}")
@@ -413,6 +424,8 @@ class LLMEngine:
         self.num_steps += 1
         tokens = inflight.pending.token_ids if inflight is not None and inflight.pending is not None else None
         logits, rows = self.runner.execute(sched, tokens)
+        for i, (first, entries) in self.runner.prompt_logprob_results.items():
+            _store_prompt_logprobs(sched.requests[i], first, entries)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         if logits is None:
@@ -532,5 +545,9 @@ class LLMEngine:
         if req.finished:
             self.requests.pop(req.request_id, None)
             self._text.pop(req.request_id, None)
+        prompt_lp = None
+        if req.sampling_params.prompt_logprobs is not None:
+            prompt_lp = list(req.prompt_logprobs) + [None] * (req.num_prompt_tokens - len(req.prompt_logprobs))
         return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.finished, error=req.error,
-                             prompt=state.prompt, metrics=metrics, num_cached_tokens=req.num_cached_tokens)
+                             prompt=state.prompt, metrics=metrics, num_cached_tokens=req.num_cached_tokens,
+                             prompt_logprobs=prompt_lp)

@@ -21,7 +21,8 @@ from torch import nn
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
-from nibble.engine.request import PENDING_BASE
+from nibble.engine.prompt_logprobs import prompt_logprobs
+from nibble.engine.request import PENDING_BASE, TokenLogprobs
 from nibble.engine.scheduler import ScheduledBatch
 from nibble.engine.spec_decode import VerifyGraphs
 from nibble.engine.spec_steps import SpecSteps
@@ -200,6 +201,8 @@ class ModelRunner(SpecSteps):
         # a verify step and its drafts reach 2 * num_spec_tokens positions past the computed tokens
         self.max_seq_len = max_model_len + 2 * self.num_spec_tokens
         self.max_num_blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        # the last step's prompt log-probabilities ({row: (first position, entries)}), for the engine to take
+        self.prompt_logprob_results: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         # steps run so far by how they ran (the server's /metrics reports them)
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)
         self.graphs: DecodeGraphs | None = None
@@ -281,7 +284,9 @@ class ModelRunner(SpecSteps):
             if inflight_tokens is not None:
                 raise RuntimeError("overlapped scheduling does not run under tensor parallelism")
             self.broadcast(step)
-        return self.run(step, inflight_tokens), step.sample_rows
+        self.prompt_logprob_results = {}
+        num_top = [sched.requests[i].sampling_params.prompt_logprobs or 0 for i in step.prompt_logprob_rows]
+        return self.run(step, inflight_tokens, num_prompt_top=num_top), step.sample_rows
 
     def _prepare_caches(self, step: StepInputs) -> None:
         if step.state_copies:
@@ -292,13 +297,17 @@ class ModelRunner(SpecSteps):
             self.caches.reset_state_slots(step.new_state_slots)
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, step: StepInputs, inflight_tokens: torch.Tensor | None = None,
+            num_prompt_top: list[int] | None = None) -> torch.Tensor | None:
         """Run one step on this rank; fp32 logits [len(step.sample_rows), vocab], or None when no row is
-        sampled."""
+        sampled. A step with prompt_logprob_rows runs eagerly (its graphs return no hidden rows but the last)
+        and leaves their log-probabilities in `prompt_logprob_results` (num_prompt_top: the alternatives each
+        wants, on rank 0; None on the other ranks, which take part in the head's collectives only)."""
         self._prepare_caches(step)
         num_seqs = step.num_seqs
         sample_rows = step.sample_rows
-        if (self.graphs is not None and step.is_decode and num_seqs == len(sample_rows)
+        graphs_ok = not step.prompt_logprob_rows
+        if (graphs_ok and self.graphs is not None and step.is_decode and num_seqs == len(sample_rows)
                 and self.graphs.padded_size(num_seqs) is not None):
             bs = self.block_size
             pos = step.context_lens
@@ -318,7 +327,7 @@ class ModelRunner(SpecSteps):
             token_ids = [flat[a:b] for a, b in pairwise(starts)]
         mixed = self.mixed_graphs
         size = (mixed.padded_size(len(flat), num_seqs, max(map(len, token_ids)))
-                if mixed is not None and not mixed.full_hidden else None)
+                if mixed is not None and not mixed.full_hidden and graphs_ok else None)
         if mixed is not None and size is not None:
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)
@@ -335,6 +344,9 @@ class ModelRunner(SpecSteps):
             batch.input_ids[pending[0]] = pending[1]
         hidden = self.model(batch, self.caches)
         self.step_counts["eager"] += 1
+        if step.prompt_logprob_rows:
+            self.prompt_logprob_results = prompt_logprobs(self.model, step, batch.cu_seqlens_q_cpu, hidden,
+                                                          num_prompt_top)
         if not sample_rows:
             return None
         idx = batch.logits_indices[sample_rows] if len(sample_rows) < num_seqs else batch.logits_indices

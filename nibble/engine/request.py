@@ -84,6 +84,8 @@ class Request:
     cacheable: bool = True
     spec_slots: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    # sampling_params.prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
     # (prefix index version, answer) of the last BlockManager.awaits_cut
     awaits_cut_at: tuple[int, bool] | None = field(default=None, repr=False)
@@ -160,6 +162,9 @@ class RequestOutput:
     prompt: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token, its log-probability given the ones before it (None
+    # for the first), once the whole prompt is computed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

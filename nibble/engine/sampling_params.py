@@ -22,6 +22,9 @@ class SamplingParams:
     temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 and min_p 0 disable those filters.
     logprobs: number of top log-probabilities to return per generated token (None = none; the sampled
     token's own log-probability is included whenever logprobs is not None).
+    prompt_logprobs: the same for every prompt token after the first (the model's log-probability of each
+    prompt token given the ones before it, as lm-eval's loglikelihood tasks use); such a request computes its
+    whole prompt (no prefix-cache hit).
     logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI's field; -100
     bans a token, +100 all but forces it).
     structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar;
@@ -42,6 +45,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -75,6 +79,9 @@ class SamplingParams:
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be in [0, 20]")
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")

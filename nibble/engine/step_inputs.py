@@ -7,10 +7,10 @@ not sent.
 
 On the wire a step is one int32 tensor:
 [num_seqs, num_new_slots, num_sample_rows, num_state_copies, num_block_copies, spec_width, has_next_ids,
- query_lens (num_seqs), context_lens (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs),
- new_state_slots, sample_rows, state copies and block copies (source, destination pairs), token ids (all
- sequences), block ids (all sequences), spec_slots (num_seqs x spec_width), next_token_ids (num_seqs if
- has_next_ids)].
+ num_prompt_logprob_rows, query_lens (num_seqs), context_lens (num_seqs), block_table_lens (num_seqs),
+ state_slots (num_seqs), new_state_slots, sample_rows, state copies and block copies (source, destination
+ pairs), token ids (all sequences), block ids (all sequences), spec_slots (num_seqs x spec_width),
+ next_token_ids (num_seqs if has_next_ids), prompt_logprob_rows, prompt_logprob_next, prompt_logprob_counts].
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ class StepInputs:
     """One step. token_ids[i]: the tokens sequence i feeds; context_lens[i]: its tokens already cached;
     block_tables[i]: its KV block ids (enough for context + new tokens); state_slots[i]: its GDN slot;
     new_state_slots: slots to zero before the step; sample_rows: sequences whose logits are wanted (those
-    whose prefill reaches the end of their known tokens)."""
+    whose prefill reaches the end of their known tokens); prompt_logprob_rows: sequences whose chunk covers
+    prompt positions that want log-probabilities (`SamplingParams.prompt_logprobs`), prompt_logprob_next[j]:
+    the prompt token after row prompt_logprob_rows[j]'s chunk (-1 past the prompt), prompt_logprob_counts[j]:
+    how many of the chunk's first positions predict a prompt token (all, unless the chunk reaches past the
+    prompt: a request recomputed after preemption)."""
 
     token_ids: list[list[int]]
     context_lens: list[int]
@@ -41,6 +45,9 @@ class StepInputs:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     spec_slots: list[list[int]] = field(default_factory=list)
     next_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprob_next: list[int] = field(default_factory=list)
+    prompt_logprob_counts: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +73,14 @@ class StepInputs:
                 block_copies=list(sched.block_copies),
                 spec_slots=[[r.state_slot, *r.spec_slots] for r in reqs],  # type: ignore[list-item]
             )
+        plp_rows, plp_next, plp_counts = [], [], []
+        for i, (r, n) in enumerate(zip(reqs, sched.num_new_tokens)):
+            # positions c..c+n-1 predict tokens c+1..c+n: wanted while c+1 is still a prompt token
+            c, p = r.num_computed_tokens, r.num_prompt_tokens
+            if r.sampling_params.prompt_logprobs is not None and c + 1 < p:
+                plp_rows.append(i)
+                plp_next.append(r.prompt_token_ids[c + n] if c + n < p else -1)
+                plp_counts.append(min(n, p - 1 - c))
         next_ids = []
         if speculative:
             for r, n in zip(reqs, sched.num_new_tokens):
@@ -83,6 +98,9 @@ class StepInputs:
             state_copies=list(sched.state_copies),
             block_copies=list(sched.block_copies),
             next_token_ids=next_ids,
+            prompt_logprob_rows=plp_rows,
+            prompt_logprob_next=plp_next,
+            prompt_logprob_counts=plp_counts,
         )
 
     @property
@@ -97,15 +115,19 @@ class StepInputs:
         if (self.spec_slots and len(self.spec_slots) != n) or any(len(r) != width for r in self.spec_slots) \
                 or (self.next_token_ids and len(self.next_token_ids) != n):
             raise ValueError("spec_slots / next_token_ids must have one row per sequence, spec_slots rows equal")
+        if not len(self.prompt_logprob_next) == len(self.prompt_logprob_counts) == len(self.prompt_logprob_rows):
+            raise ValueError("prompt_logprob_next / _counts must have one entry per prompt_logprob_rows entry")
         head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies),
-                width, int(bool(self.next_token_ids))]
+                width, int(bool(self.next_token_ids)), len(self.prompt_logprob_rows)]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
                      (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
                      self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.block_copies),
                      chain.from_iterable(self.token_ids), chain.from_iterable(self.block_tables),
-                     chain.from_iterable(self.spec_slots), self.next_token_ids)
+                     chain.from_iterable(self.spec_slots), self.next_token_ids, self.prompt_logprob_rows,
+                     self.prompt_logprob_next, self.prompt_logprob_counts)
         count = (len(head) + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
-                 + 2 * len(self.block_copies) + n * width + len(self.next_token_ids))
+                 + 2 * len(self.block_copies) + n * width + len(self.next_token_ids)
+                 + 3 * len(self.prompt_logprob_rows))
         count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
         # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
         return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
@@ -113,8 +135,8 @@ class StepInputs:
     @classmethod
     def unpack(cls, message: torch.Tensor) -> StepInputs:
         v = message.numpy().tolist()
-        n, n_new, n_sample, n_copies, n_block_copies, width, has_next = v[:7]
-        pos = 7
+        n, n_new, n_sample, n_copies, n_block_copies, width, has_next, n_plp = v[:8]
+        pos = 8
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -130,6 +152,7 @@ class StepInputs:
         blocks = take(sum(table_lens))
         spec = take(n * width)
         next_ids = take(n) if has_next else []
+        plp_rows, plp_next, plp_counts = take(n_plp), take(n_plp), take(n_plp)
         tok_cu = [0, *accumulate(query_lens)]
         blk_cu = [0, *accumulate(table_lens)]
         return cls(
@@ -143,4 +166,7 @@ class StepInputs:
             block_copies=list(zip(block_copies[::2], block_copies[1::2])),
             spec_slots=[spec[i * width:(i + 1) * width] for i in range(n)] if width else [],
             next_token_ids=next_ids,
+            prompt_logprob_rows=plp_rows,
+            prompt_logprob_next=plp_next,
+            prompt_logprob_counts=plp_counts,
         )

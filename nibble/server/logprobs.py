@@ -38,6 +38,39 @@ def completion_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, text_of
     return out, text_offset
 
 
+def prompt_completion_logprobs(prompt_ids: list[int], entries: list[TokenLogprobs | None], texts: TokenTexts,
+                               num_top: int) -> tuple[CompletionLogProbs, int]:
+    """Completions-format logprobs of an echoed prompt and the text offset after it: every prompt token with
+    its log-probability given the ones before it (`RequestOutput.prompt_logprobs`), null for the first (and
+    for any the engine did not return)."""
+    out = CompletionLogProbs()
+    offset = 0
+    for token_id, entry in zip(prompt_ids, [*entries, *([None] * (len(prompt_ids) - len(entries)))]):
+        token = texts.text(token_id)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_clamp(entry.logprob))
+        top: dict[str, float] = {}
+        for alt, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]:
+            top.setdefault(texts.text(alt), _clamp(logprob))
+        top.setdefault(token, _clamp(entry.logprob))
+        out.top_logprobs.append(top)
+    return out, offset
+
+
+def join_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    """`first`'s lists followed by `second`'s (an echoed prompt, then the generated tokens)."""
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens,
+                              top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
 def chat_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, num_top: int) -> list[ChatCompletionLogProbsContent]:
     """Chat-format logprobs: per token its text, logprob, UTF-8 bytes and the `num_top` alternatives."""
     content = []

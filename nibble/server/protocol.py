@@ -229,13 +229,6 @@ class CompletionRequest(_SamplingRequest):
                     raise ValueError("token ids must be non-negative")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported (nibble does not return prompt text)")
-        return v
-
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, v: int | None) -> int | None:

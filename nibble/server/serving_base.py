@@ -53,7 +53,8 @@ DISCONNECT_POLL_S = 0.2
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; /v1/completions returns prompt log-probabilities with "
+                       "echo=true and logprobs",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "bad_words": "bad_words is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
-from nibble.server.logprobs import completion_logprobs
+from nibble.server.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
 from nibble.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -78,6 +80,8 @@ class CompletionServing(OpenAIServing):
             for i, ids in enumerate(prompt_ids):
                 self.check_length(len(ids), req.max_tokens, "prompt")
                 params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs, structured)
+                if req.echo and req.logprobs is not None:
+                    params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
                 # choice i * n + j is prompt i's j-th completion, as OpenAI numbers them
                 for j, choice_params in enumerate(self.choice_params(params, req.n)):
                     jobs.append(EngineJob(f"{request_id}-{i * req.n + j}", ids, choice_params))
@@ -103,10 +107,13 @@ class CompletionServing(OpenAIServing):
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
+            echo_text, echo_logprobs, offset = self._echo(req, i // req.n, out)
             logprobs = None
             if req.logprobs is not None and self.token_texts is not None:
-                logprobs, _ = completion_logprobs(c.logprobs or [], self.token_texts, 0, req.logprobs)
-            choices.append(CompletionResponseChoice(index=i, text=c.text, logprobs=logprobs,
+                logprobs, _ = completion_logprobs(c.logprobs or [], self.token_texts, offset, req.logprobs)
+                if echo_logprobs is not None:
+                    logprobs = join_logprobs(echo_logprobs, logprobs)
+            choices.append(CompletionResponseChoice(index=i, text=echo_text + c.text, logprobs=logprobs,
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = usage_of(list(outputs), prompt_lens)
         self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens,
@@ -114,10 +121,26 @@ class CompletionServing(OpenAIServing):
         return json_response(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                 usage=usage))
 
+    def _echo(self, req: CompletionRequest, prompt_index: int, out: RequestOutput
+              ) -> tuple[str, CompletionLogProbs | None, int]:
+        """With `echo`: prompt `prompt_index`'s text (as sent, or decoded from its token ids), its logprobs when
+        the request asks for logprobs, and the text offset the generated tokens start at; ("", None, 0)
+        without."""
+        if not req.echo:
+            return "", None, 0
+        prompt = req.prompts[prompt_index]
+        text = prompt if isinstance(prompt, str) else (self.tokenizer.decode(prompt) if self.tokenizer else "")
+        if req.logprobs is None or self.token_texts is None:
+            return text, None, len(text)
+        logprobs, _ = prompt_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], self.token_texts,
+                                                 req.logprobs)
+        return text, logprobs, len(text)
+
     async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
                       prompt_lens: list[int], start: float) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(streams)
+        echoed = [False] * len(streams)
         finishes: list[str | None] = [None] * len(streams)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         outcome: str | None = None
@@ -131,14 +154,22 @@ class CompletionServing(OpenAIServing):
             async for i, out in streams:
                 check_generation_error(out)
                 c = out.outputs[0]
+                echo_text, echo_logprobs = "", None
+                if not echoed[i]:
+                    # the first chunk of a choice starts with the echoed prompt
+                    echoed[i] = True
+                    echo_text, echo_logprobs, offsets[i] = self._echo(req, i // req.n, out)
                 logprobs: CompletionLogProbs | None = None
                 if req.logprobs is not None and self.token_texts is not None:
                     logprobs, offsets[i] = completion_logprobs(c.delta_logprobs, self.token_texts, offsets[i],
                                                                req.logprobs)
-                if not (c.delta_text or (logprobs is not None and logprobs.tokens) or out.finished):
+                    if echo_logprobs is not None:
+                        logprobs = join_logprobs(echo_logprobs, logprobs)
+                text = echo_text + c.delta_text
+                if not (text or (logprobs is not None and logprobs.tokens) or out.finished):
                     continue
                 finishes[i] = c.finish_reason
-                choice = CompletionResponseStreamChoice(index=i, text=c.delta_text, logprobs=logprobs,
+                choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                 usage = usage_of(streams.last, prompt_lens) if req.include_usage and continuous else None
                 yield chunk([choice], usage)

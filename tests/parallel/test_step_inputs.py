@@ -16,6 +16,8 @@ def test_pack_unpack_round_trip() -> None:
         StepInputs([[3, 8, 9], [4, 1, 2]], [10, 20], [[1], [2, 3]], [4, 6], [], [0, 1], spec_slots=[[4, 7, 8],
                                                                                                       [6, 9, 10]]),
         StepInputs([[3, 8], [4]], [0, 5], [[1], [2]], [4, 6], [4], [1], next_token_ids=[11, -1]),
+        StepInputs([[3, 8, 2], [4]], [0, 5], [[1], [2]], [4, 6], [4], [1], prompt_logprob_rows=[0],
+                   prompt_logprob_next=[7], prompt_logprob_counts=[3]),
     ]
     for step in steps:
         message = step.pack()

@@ -140,6 +140,30 @@ def test_mtp_head_drafts_the_same_under_tensor_parallelism(checkpoints: dict[str
     assert len(tp_drafts) > 5 and tp_drafts == single_drafts
 
 
+def test_prompt_logprobs_under_tensor_parallelism(checkpoints: dict[str, Path]) -> None:
+    """Rank 1 computes its share of the head's logits for every prompt position too (a collective); rank 0's
+    prompt log-probabilities equal the single-process engine's."""
+    model = str(checkpoints["fp32"])
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompts = _prompts(254)
+
+    def values(llm: LLM) -> list[list]:
+        return [[None if e is None else (e.token_id, e.logprob, sorted(e.top)) for e in o.prompt_logprobs or []]
+                for o in llm.generate(prompts, params)]
+
+    want = values(LLM(model=model, **ENGINE_ARGS))
+    llm = LLM(model=model, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        got = values(llm)
+    finally:
+        llm.engine.shutdown()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert len(g) == len(w) and g[0] is None
+        for x, y in zip(g[1:], w[1:]):
+            assert x[0] == y[0] and x[2] == y[2] and abs(x[1] - y[1]) < 1e-3
+
+
 def test_prefix_cache_state_copies_reach_every_rank(checkpoints: dict[str, Path]) -> None:
     """Requests starting from a cached prefix under tensor parallelism: the GDN state and KV block copies
     travel in the step inputs to rank 1 as well, so the generations equal the single-process engine's

@@ -5,7 +5,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
 
+from nibble.engine.llm import LLM
+from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.tokenizer import Tokenizer
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import CompletionRequest
@@ -119,6 +122,34 @@ def test_logprobs_format(client: openai.OpenAI, server: ServerHandle) -> None:
     streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
     offsets = [o for c in chunks for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset]
     assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1, greedy): the prompt's text comes back
+    before the generated one, and the logprobs cover every prompt token (null for the first) and then the
+    generated one, with the prompt tokens' values the engine computes for them; streamed the same."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    out = complete(client, server, prompt, max_tokens=1, logprobs=1, echo=True, **GREEDY)
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(top[token] == value for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                                lp.top_logprobs[1:]))
+    assert lp.text_offset[len(ids)] == len(prompt)
+    want = LLM(device="cpu", max_model_len=256).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    entries = want[0].prompt_logprobs
+    assert entries is not None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-5)
+    chunks = list(complete(client, server, prompt, max_tokens=1, logprobs=1, echo=True, stream=True, **GREEDY))
+    assert "".join(ch.text for c in chunks for ch in c.choices) == choice.text
+    assert [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.token_logprobs] == \
+        lp.token_logprobs
+    plain = complete(client, server, [ids], max_tokens=2, echo=True, **GREEDY)
+    assert plain.choices[0].text.startswith(tokenizer.decode(ids)) and plain.choices[0].logprobs is None
 
 
 def test_stop_string_and_stop_token(client: openai.OpenAI, server: ServerHandle) -> None:

@@ -45,7 +45,6 @@ BAD_BODIES = [
     (COMPLETIONS, completion(n=0), "n"),
     (COMPLETIONS, completion(n=65), "n"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
-    (COMPLETIONS, completion(echo=True), "echo"),
     (COMPLETIONS, completion(suffix="tail"), "suffix"),
     (COMPLETIONS, completion(logit_bias={"five": 1.0}), "logit_bias"),
     (COMPLETIONS, completion(logit_bias={"5": 200}), "logit_bias"),
