@@ -309,3 +309,22 @@ def test_mixed_step_graph_logits_match_eager() -> None:
         if got.shape[0] == num_slots:
             got, want = got[1:], want[1:]  # slot 0: the scratch slot of padded sequences
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_logprobs_on_gpu() -> None:
+    """Prompt log-probabilities on the GPU (their steps run eagerly, beside graph-replayed ones): a generated
+    token's log-probability equals its prompt log-probability when the prompt continues with it."""
+    llm = LLM(device="cuda", dtype="float32", max_model_len=512, max_num_batched_tokens=64, warmup=False,
+              extra={"num_kv_blocks": 256})
+    prompt = _prompts()[4]
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
+    generated = first.outputs[0].token_ids
+    second = llm.generate([prompt + generated], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    entries = second.prompt_logprobs
+    assert entries is not None and entries[0] is None and len(entries) == len(prompt) + len(generated)
+    for j, lp in enumerate(first.outputs[0].logprobs or []):
+        entry = entries[len(prompt) + j]
+        assert entry is not None and entry.token_id == lp.token_id
+        assert abs(entry.logprob - lp.logprob) < 1e-3
+    stats = llm.engine.stats()
+    assert stats["model_steps_eager"] > 0 and stats["model_steps_decode_graph"] > 0
