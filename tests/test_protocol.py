@@ -61,7 +61,6 @@ def _error(cls: type, **fields: Any) -> tuple[str, str | None]:
         ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
         ({"n": 0}, "n", "must be between 1 and 64, got 0"),
         ({"n": 65}, "n", "must be between 1 and 64, got 65"),
-        ({"echo": True}, "echo", "not supported"),
         ({"best_of": 3}, "best_of", "best_of=1"),
         ({"stop": ["ok", ""]}, "stop", "must not be empty"),
         ({"stop": 5}, "stop", "a string or a list of strings"),

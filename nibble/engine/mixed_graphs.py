@@ -1,4 +1,4 @@
-"""CUDA graphs for short prefill and mixed prefill+decode steps: one graph per padded token count.
+"""CUDA graphs for short prefill and mixed prefill+decode steps, captured per padded size (tokens, sequences).
 
 An eager step of a few hundred tokens is bound by the host, not the GPU: it launches about a thousand kernels
 through Python (an H200 spent 58 ms of wall time on the 13.7 ms of kernels of a 16-token 122B-A10B prefill).
