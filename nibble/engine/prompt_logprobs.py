@@ -2,7 +2,8 @@
 `logprobs`): for each prompt position of a step's chunk, the model's distribution over the next token, read
 at the prompt's own next token and its top alternatives.
 
-Logits are computed in slices of `ROWS` positions ([ROWS, vocab] fp32 at a time, not the whole chunk's), and
+Logits are computed in slices of `ROWS` positions (one [ROWS, vocab] fp32 buffer at a time, normalised in place:
+256 MB for Qwen3.5's 248k vocabulary, where a whole 8192-token chunk would take 8 GB), and
 under tensor parallelism every rank computes them (the head's all-gather is a collective), while only rank 0,
 which knows how many alternatives each request wants, reduces them to log-probabilities.
 """
@@ -16,7 +17,7 @@ from nibble.engine.request import TokenLogprobs
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.host_copy import to_device_async
 
-ROWS = 512
+ROWS = 256
 
 
 @torch.inference_mode()
@@ -40,7 +41,8 @@ def prompt_logprobs(model: nn.Module, step: StepInputs, cu_seqlens: list[int], h
             logits = model.compute_logits(hidden[start + a:start + b])
             if num_top is None:
                 continue
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprobs = logits.float()
+            logprobs -= torch.logsumexp(logprobs, dim=-1, keepdim=True)
             ids = to_device_async(torch.tensor(targets[a:b], dtype=torch.int64), logprobs.device)
             chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
             k = num_top[j]
