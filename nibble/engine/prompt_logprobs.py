@@ -44,13 +44,15 @@ def prompt_logprobs(model: nn.Module, step: StepInputs, cu_seqlens: list[int], h
             logprobs = logits.float()
             logprobs -= torch.logsumexp(logprobs, dim=-1, keepdim=True)
             ids = to_device_async(torch.tensor(targets[a:b], dtype=torch.int64), logprobs.device)
-            chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+            chosen_t = logprobs.gather(1, ids[:, None])
+            ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+            chosen = chosen_t[:, 0].tolist()
             k = num_top[j]
             if k:
                 top_vals, top_ids = (t.tolist() for t in torch.topk(logprobs, k, dim=-1))
             for r, (token, value) in enumerate(zip(targets[a:b], chosen, strict=True)):
                 top = dict(zip(top_ids[r], top_vals[r], strict=True)) if k else {}
-                entries.append(TokenLogprobs(token, value, top))
+                entries.append(TokenLogprobs(token, value, top, ranks[r]))
         if num_top is not None:
             out[i] = (step.context_lens[i] + 1, entries)
     return out

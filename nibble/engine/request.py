@@ -31,11 +31,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class TokenLogprobs:
-    """Log-probability of the sampled token and the top alternatives, {token_id: logprob}."""
+    """Log-probability of the sampled token and the top alternatives, {token_id: logprob}; rank: the token's
+    place in the vocabulary by probability (1 = the most likely), where known (prompt log-probabilities)."""
 
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass(eq=False)

@@ -211,6 +211,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM extra: log-probabilities of the prompt tokens (and this many alternatives), as vLLM returns them
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -367,6 +369,14 @@ class ChatCompletionLogProbs(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: a token's log-probability, vocabulary rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(BaseModel):
     """One choice of a /v1/completions response."""
 
@@ -376,6 +386,8 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: FinishReason | None = None
     # vLLM extra: the stop string or stop token id that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM extra (request field `prompt_logprobs`): per prompt token {token id: entry}, null for the first.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -397,6 +409,7 @@ class CompletionResponseStreamChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionStreamResponse(BaseModel):

@@ -53,8 +53,8 @@ DISCONNECT_POLL_S = 0.2
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported; /v1/completions returns prompt log-probabilities with "
-                       "echo=true and logprobs",
+    "prompt_logprobs": "prompt_logprobs is not supported here; /v1/completions returns them (prompt_logprobs, or "
+                       "echo=true with logprobs)",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "bad_words": "bad_words is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported",

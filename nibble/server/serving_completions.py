@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
-from nibble.server.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
+from nibble.server.logprobs import LOGPROB_FLOOR, completion_logprobs, join_logprobs, prompt_completion_logprobs
 from nibble.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -22,6 +22,7 @@ from nibble.server.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -38,8 +39,16 @@ from nibble.server.serving_base import (
 )
 from nibble.server.sse import DONE_EVENT, EventStreamResponse
 
+# /v1/completions returns vLLM's prompt_logprobs (serving_chat.py still refuses them).
+COMPLETION_UNSUPPORTED_FIELDS = {k: v for k, v in UNSUPPORTED_FIELDS.items() if k != "prompt_logprobs"}
+
 # OpenAI's default for /v1/completions when max_tokens is not given.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: LOGPROB_FLOOR for a token ruled out completely (as the other logprob formats)."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 class CompletionServing(OpenAIServing):
     """Handler of /v1/completions."""
@@ -71,7 +80,7 @@ class CompletionServing(OpenAIServing):
         start = time.monotonic()
         request_id = random_id("cmpl")
         try:
-            reject_unsupported(body, UNSUPPORTED_FIELDS)
+            reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
             req = parse_model(CompletionRequest, body)
             self.check_model(req.model)
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
@@ -80,8 +89,9 @@ class CompletionServing(OpenAIServing):
             for i, ids in enumerate(prompt_ids):
                 self.check_length(len(ids), req.max_tokens, "prompt")
                 params = self.sampling_params(req, self._max_tokens(req, len(ids)), req.logprobs, structured)
-                if req.echo and req.logprobs is not None:
-                    params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+                wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
+                if wanted:
+                    params = dataclasses.replace(params, prompt_logprobs=max(wanted))
                 # choice i * n + j is prompt i's j-th completion, as OpenAI numbers them
                 for j, choice_params in enumerate(self.choice_params(params, req.n)):
                     jobs.append(EngineJob(f"{request_id}-{i * req.n + j}", ids, choice_params))
@@ -114,7 +124,8 @@ class CompletionServing(OpenAIServing):
                 if echo_logprobs is not None:
                     logprobs = join_logprobs(echo_logprobs, logprobs)
             choices.append(CompletionResponseChoice(index=i, text=echo_text + c.text, logprobs=logprobs,
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                    prompt_logprobs=self._vllm_prompt_logprobs(req, out)))
         usage = usage_of(list(outputs), prompt_lens)
         self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens,
                          ",".join(sorted({ch.finish_reason or "-" for ch in choices})), start)
@@ -136,6 +147,29 @@ class CompletionServing(OpenAIServing):
                                                  req.logprobs)
         return text, logprobs, len(text)
 
+    def _vllm_prompt_logprobs(self, req: CompletionRequest, out: RequestOutput
+                              ) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice (request field `prompt_logprobs`): per prompt token, that token
+        and the top alternatives by id, each with its log-probability, rank (the alternatives' by their order)
+        and text; null for the first token."""
+        if req.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        texts = self.token_texts
+        result: list[dict[int, PromptLogprob] | None] = []
+        for entry in out.prompt_logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            row = {token: PromptLogprob(logprob=_finite(value), rank=rank,
+                                        decoded_token=texts.text(token) if texts is not None else None)
+                   for rank, (token, value) in enumerate(
+                       sorted(entry.top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs], start=1)}
+            row.setdefault(entry.token_id, PromptLogprob(
+                logprob=_finite(entry.logprob), rank=entry.rank,
+                decoded_token=texts.text(entry.token_id) if texts is not None else None))
+            result.append(row)
+        return result
+
     async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
                       prompt_lens: list[int], start: float) -> AsyncIterator[str]:
         created = int(time.time())
@@ -155,6 +189,7 @@ class CompletionServing(OpenAIServing):
                 check_generation_error(out)
                 c = out.outputs[0]
                 echo_text, echo_logprobs = "", None
+                first = not echoed[i]
                 if not echoed[i]:
                     # the first chunk of a choice starts with the echoed prompt
                     echoed[i] = True
@@ -169,8 +204,9 @@ class CompletionServing(OpenAIServing):
                 if not (text or (logprobs is not None and logprobs.tokens) or out.finished):
                     continue
                 finishes[i] = c.finish_reason
-                choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
-                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choice = CompletionResponseStreamChoice(
+                    index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=self._vllm_prompt_logprobs(req, out) if first else None)
                 usage = usage_of(streams.last, prompt_lens) if req.include_usage and continuous else None
                 yield chunk([choice], usage)
             if req.include_usage:

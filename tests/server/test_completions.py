@@ -152,6 +152,39 @@ def test_echo_with_logprobs_as_lm_eval_asks(client: openai.OpenAI, server: Serve
     assert plain.choices[0].text.startswith(tokenizer.decode(ids)) and plain.choices[0].logprobs is None
 
 
+def test_vllm_prompt_logprobs(server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """vLLM's `prompt_logprobs` request field: per prompt token {token id: logprob, rank, decoded_token} for the
+    token itself and the top alternatives (ranked 1, 2, ...), null for the first token; streamed in the first
+    chunk; the same values as echo's."""
+    import json
+
+    import httpx
+
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2}
+    r = httpx.post(server.api + "/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(rows) == len(ids) and rows[0] is None
+    for token, row in zip(ids[1:], rows[1:]):
+        mine = row[str(token)]
+        assert mine["logprob"] <= 0 and mine["rank"] >= 1 and mine["decoded_token"] == tokenizer.decode([token])
+        others = sorted((v for k, v in row.items() if k != str(token)), key=lambda v: v["rank"])
+        assert 2 <= len(row) <= 3 and all(v["rank"] in (1, 2) for v in others)
+        assert all(mine["logprob"] <= v["logprob"] + 1e-6 or mine["rank"] < v["rank"] for v in others)
+    echo = httpx.post(server.api + "/completions", json={**body, "prompt_logprobs": None, "echo": True,
+                                                         "logprobs": 0}, timeout=60).json()
+    token_logprobs = echo["choices"][0]["logprobs"]["token_logprobs"]
+    assert [row[str(t)]["logprob"] for t, row in zip(ids[1:], rows[1:])] == token_logprobs[1:len(ids)]
+    with httpx.stream("POST", server.api + "/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    firsts = [ch["prompt_logprobs"] for c in chunks for ch in c["choices"] if ch.get("prompt_logprobs")]
+    assert firsts == [rows]
+    bad = httpx.post(server.api + "/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text
+
+
 def test_stop_string_and_stop_token(client: openai.OpenAI, server: ServerHandle) -> None:
     full = complete(client, server, "Stop test", max_tokens=20, logprobs=0, **GREEDY).choices[0]
     text = full.text
