@@ -11,7 +11,8 @@ from nibble.server.token_text import TokenTexts
 LOGPROB_FLOOR = -9999.0
 
 
-def _clamp(value: float) -> float:
+def clamp_logprob(value: float) -> float:
+    """A log-probability JSON can carry: LOGPROB_FLOOR for -inf."""
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
@@ -27,15 +28,21 @@ def completion_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, text_of
     for entry in entries:
         token = texts.text(entry.token_id)
         out.tokens.append(token)
-        out.token_logprobs.append(_clamp(entry.logprob))
+        out.token_logprobs.append(clamp_logprob(entry.logprob))
         out.text_offset.append(text_offset)
         text_offset += len(token)
-        top: dict[str, float] = {}
-        for token_id, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]:
-            top.setdefault(texts.text(token_id), _clamp(logprob))
-        top.setdefault(token, _clamp(entry.logprob))
-        out.top_logprobs.append(top)
+        out.top_logprobs.append(_top_by_text(entry, token, texts, num_top))
     return out, text_offset
+
+
+def _top_by_text(entry: TokenLogprobs, token: str, texts: TokenTexts, num_top: int) -> dict[str, float]:
+    """The `num_top` most likely alternatives and the token itself (text `token`), by text; of two tokens with
+    the same text the more likely one is kept."""
+    top: dict[str, float] = {}
+    for token_id, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]:
+        top.setdefault(texts.text(token_id), clamp_logprob(logprob))
+    top.setdefault(token, clamp_logprob(entry.logprob))
+    return top
 
 
 def prompt_completion_logprobs(prompt_ids: list[int], entries: list[TokenLogprobs | None], texts: TokenTexts,
@@ -54,12 +61,8 @@ def prompt_completion_logprobs(prompt_ids: list[int], entries: list[TokenLogprob
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        out.token_logprobs.append(_clamp(entry.logprob))
-        top: dict[str, float] = {}
-        for alt, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]:
-            top.setdefault(texts.text(alt), _clamp(logprob))
-        top.setdefault(token, _clamp(entry.logprob))
-        out.top_logprobs.append(top)
+        out.token_logprobs.append(clamp_logprob(entry.logprob))
+        out.top_logprobs.append(_top_by_text(entry, token, texts, num_top))
     return out, offset
 
 
@@ -77,10 +80,10 @@ def chat_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, num_top: int)
     for entry in entries:
         text, raw = texts.get(entry.token_id)
         top = [
-            ChatCompletionLogProb(token=texts.text(token_id), logprob=_clamp(logprob),
+            ChatCompletionLogProb(token=texts.text(token_id), logprob=clamp_logprob(logprob),
                                   bytes=texts.byte_list(token_id))
             for token_id, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]
         ]
-        content.append(ChatCompletionLogProbsContent(token=text, logprob=_clamp(entry.logprob), bytes=list(raw),
+        content.append(ChatCompletionLogProbsContent(token=text, logprob=clamp_logprob(entry.logprob), bytes=list(raw),
                                                      top_logprobs=top))
     return content

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
-from nibble.server.logprobs import LOGPROB_FLOOR, completion_logprobs, join_logprobs, prompt_completion_logprobs
+from nibble.server.logprobs import clamp_logprob, completion_logprobs, join_logprobs, prompt_completion_logprobs
 from nibble.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -44,11 +44,6 @@ COMPLETION_UNSUPPORTED_FIELDS = {k: v for k, v in UNSUPPORTED_FIELDS.items() if 
 
 # OpenAI's default for /v1/completions when max_tokens is not given.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-
-def _finite(value: float) -> float:
-    """JSON has no -inf: LOGPROB_FLOOR for a token ruled out completely (as the other logprob formats)."""
-    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
-
 
 class CompletionServing(OpenAIServing):
     """Handler of /v1/completions."""
@@ -160,12 +155,12 @@ class CompletionServing(OpenAIServing):
             if entry is None:
                 result.append(None)
                 continue
-            row = {token: PromptLogprob(logprob=_finite(value), rank=rank,
+            row = {token: PromptLogprob(logprob=clamp_logprob(value), rank=rank,
                                         decoded_token=texts.text(token) if texts is not None else None)
                    for rank, (token, value) in enumerate(
                        sorted(entry.top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs], start=1)}
             row.setdefault(entry.token_id, PromptLogprob(
-                logprob=_finite(entry.logprob), rank=entry.rank,
+                logprob=clamp_logprob(entry.logprob), rank=entry.rank,
                 decoded_token=texts.text(entry.token_id) if texts is not None else None))
             result.append(row)
         return result
