@@ -246,7 +246,7 @@ serve_and_bench() {  # serve_and_bench NAME MODEL_DIR SWEEP PROMPTS_PER_CONC WAI
     --prompts-per-concurrency "$ppc" --num-warmups 0 --disable-tqdm --save-result --result-dir "$OUT" \
     --result-filename "bench_$name.json" --plot "$OUT/bench_$name.png"
   kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
-  grep -E "kernels:|self-test|engine ready|captured|warm-up|CUDA graphs ready" "$OUT/serve_$name.log" >> "$SUMMARY"
+  grep -E "kernels:|self-test|engine ready|captured|warm-up|CUDA graphs for .* ready" "$OUT/serve_$name.log" >> "$SUMMARY"
   pack
 }
 stage_serve122() { serve_and_bench 122 $M/Qwen3.5-122B-A10B-NVFP4 1,8,32,128 1 120 230 --max-num-seqs 128; }

@@ -5,6 +5,8 @@ and state slot 0 (reserved scratch) and write no KV (slot -1)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +15,20 @@ from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 
 logger = logging.getLogger("nibble.engine")
+
+T = TypeVar("T")
+
+
+def capture_graph(step: Callable[[], T], pool: tuple | None, capture_error_mode: str,
+                  device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `step` once eagerly (its kernels compile, its allocations settle), then capture it into `pool`
+    (None: a new pool, `graph.pool()`); returns the graph and the output the capture produced."""
+    step()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        out = step()
+    return graph, out
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -67,13 +83,8 @@ class DecodeGraphs:
         """Capture every size, largest first, into one memory pool (`self.pool`, which other graphs may share)."""
         pool = None
         for bs in reversed(self.sizes):
-            self._step(bs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
-                out = self._step(bs)
-            if pool is None:
-                pool = graph.pool()
+            graph, out = capture_graph(lambda bs=bs: self._step(bs), pool, self.capture_error_mode, self.device)
+            pool = pool or graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
         self.pool = pool

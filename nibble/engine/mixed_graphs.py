@@ -32,6 +32,7 @@ import logging
 import torch
 from torch import nn
 
+from nibble.engine.cuda_graphs import capture_graph
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
 from nibble.kernels.paged_attention import SPLIT_MAX_QUERY_LEN
@@ -157,13 +158,8 @@ class MixedGraphs:
         """Capture every graph, largest first, into `pool` (e.g. the decode graphs' memory pool) or a new one.
         The static buffers hold an empty batch meanwhile: every sequence has no token."""
         for key in sorted(self.keys, reverse=True):
-            self.forward(key)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
-                out = self.forward(key)
-            if pool is None:
-                pool = graph.pool()
+            graph, out = capture_graph(lambda key=key: self.forward(key), pool, self.capture_error_mode, self.device)
+            pool = pool or graph.pool()
             self.graphs[key] = graph
             self.outputs[key] = out
         torch.cuda.synchronize(self.device)

@@ -223,54 +223,44 @@ class ModelRunner(SpecSteps):
             if self.parallel.host_min(int(self.verify_graphs is not None)) == 0:
                 self.verify_graphs = None
 
-    def _capture_graphs(self) -> None:
+    def _captured(self, capture: Callable[[], None], what: str) -> bool:
+        """Run a graph set's `capture`; False (logged: those steps run eagerly) if it fails in any way."""
         t0 = time.perf_counter()
+        try:
+            capture()
+        except Exception as e:  # any capture failure means: run eagerly
+            logger.warning("CUDA graph capture of %s failed (%s: %s); they run eagerly", what, type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return False
+        logger.info("CUDA graphs for %s ready in %.1f s", what, time.perf_counter() - t0)
+        return True
+
+    def _capture_graphs(self) -> None:
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size)
         graphs = DecodeGraphs(self.model, self.caches, max_bs, self.max_num_blocks_per_seq, self.max_model_len,
                               self.device, thread_local_capture=self.parallel.is_parallel)
-        try:
-            graphs.capture()
-        except Exception as e:  # any capture failure means: run eagerly
-            logger.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
-            torch.cuda.synchronize(self.device)
-            return
-        self.graphs = graphs
-        logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
+        if self._captured(graphs.capture, "decode steps"):
+            self.graphs = graphs
 
     def _capture_mixed_graphs(self) -> None:
         max_tokens = min(self.engine.cuda_graph_max_mixed_tokens, self.engine.max_num_batched_tokens)
         if not mixed_capture_sizes(max_tokens, self.engine.max_num_seqs):
             return
-        t0 = time.perf_counter()
         graphs = MixedGraphs(self.model, self.caches, max_tokens, self.engine.max_num_seqs,
                              self.max_num_blocks_per_seq, self.max_model_len, self.device,
                              thread_local_capture=self.parallel.is_parallel, full_hidden=self.engine.speculative)
         other = self.graphs or self.verify_graphs
-        try:
-            graphs.capture(other.pool if other is not None else None)
-        except Exception as e:  # any capture failure means: run eagerly
-            logger.warning("CUDA graph capture of mixed prefill/decode steps failed (%s: %s); they run eagerly",
-                           type(e).__name__, e)
-            torch.cuda.synchronize(self.device)
-            return
-        self.mixed_graphs = graphs
-        logger.info("CUDA graphs for mixed steps ready in %.1f s", time.perf_counter() - t0)
+        if self._captured(lambda: graphs.capture(other.pool if other is not None else None),
+                          "mixed prefill/decode steps"):
+            self.mixed_graphs = graphs
 
     def _capture_verify_graphs(self) -> None:
-        t0 = time.perf_counter()
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size, MAX_VERIFY_GRAPH_BATCH)
         graphs = VerifyGraphs(self.model, self.caches, max_bs, self.num_spec_tokens, self.max_num_blocks_per_seq,
                               self.max_seq_len, self.block_size, self.device,
                               thread_local_capture=self.parallel.is_parallel)
-        try:
-            graphs.capture()
-        except Exception as e:  # any capture failure means: run eagerly
-            logger.warning("CUDA graph capture of verify steps failed (%s: %s); they run eagerly",
-                           type(e).__name__, e)
-            torch.cuda.synchronize(self.device)
-            return
-        self.verify_graphs = graphs
-        logger.info("CUDA graphs ready in %.1f s", time.perf_counter() - t0)
+        if self._captured(graphs.capture, "speculative verify steps"):
+            self.verify_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch, inflight_tokens: torch.Tensor | None = None
