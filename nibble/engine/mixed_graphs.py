@@ -36,7 +36,7 @@ from nibble.engine.cuda_graphs import capture_graph
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
 from nibble.kernels.paged_attention import SPLIT_MAX_QUERY_LEN
-from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.forward_batch import ForwardBatch, ModelCaches, flatten_step
 
 logger = logging.getLogger("nibble.engine")
 
@@ -108,16 +108,7 @@ class MixedGraphs:
         [n] on the device, written over input_ids afterwards (tokens of the step in flight)."""
         t_pad, b_pad, short = key
         num_seqs = len(token_ids)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        for toks, ctx, blocks in zip(token_ids, context_lens, block_tables, strict=True):
-            ids.extend(toks)
-            for p in range(ctx, ctx + len(toks)):
-                pos.append(p)
-                slots.append(blocks[p // block_size] * block_size + p % block_size)
-            cu.append(len(ids))
+        ids, pos, slots, cu, seq_lens = flatten_step(token_ids, context_lens, block_tables, block_size)
         num_tokens = len(ids)
         if num_tokens > t_pad or num_seqs > b_pad or (short and max(map(len, token_ids)) > SPLIT_MAX_QUERY_LEN):
             raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences does not fit {key}")
@@ -127,7 +118,7 @@ class MixedGraphs:
         table = [x for blk in block_tables for x in (*blk, *([0] * (width - len(blk))))]
         tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t], dtype=torch.int64)
         seqs = torch.tensor([cu[1:] + [num_tokens] * pad_b,
-                             [c + len(x) for c, x in zip(context_lens, token_ids)] + [0] * pad_b,
+                             seq_lens + [0] * pad_b,
                              state_slots + [0] * pad_b], dtype=torch.int32)
         last = torch.tensor([c - 1 for c in cu[1:]] + [0] * pad_b, dtype=torch.int64)
         tokens_d = to_device_async(tokens, self.device)

@@ -70,21 +70,10 @@ class ForwardBatch:
         seqs_token_ids[i]: the tokens sequence i feeds this step; context_lens[i]: tokens already cached
         for it; block_tables[i]: its physical block ids (enough for context + new tokens).
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        for toks, ctx, blocks in zip(seqs_token_ids, context_lens, block_tables, strict=True):
-            n = len(toks)
-            if n == 0:
-                raise ValueError("every sequence in a batch needs at least one token")
-            input_ids.extend(toks)
-            for p in range(ctx, ctx + n):
-                positions.append(p)
-                slot_mapping.append(blocks[p // block_size] * block_size + p % block_size)
-            cu.append(cu[-1] + n)
-            seq_lens.append(ctx + n)
+        if any(not toks for toks in seqs_token_ids):
+            raise ValueError("every sequence in a batch needs at least one token")
+        input_ids, positions, slot_mapping, cu, seq_lens = flatten_step(seqs_token_ids, context_lens, block_tables,
+                                                                        block_size)
         # Rounded up to a multiple of 16: the row stride is a kernel argument, and Triton compiles a new
         # variant for each of its divisibility classes (1, 16k, other) on first use in a step.
         width = max_num_blocks or -(-max((len(b) for b in block_tables), default=1) // 16) * 16 or 16
@@ -108,6 +97,26 @@ class ForwardBatch:
             cu_seqlens_q_cpu=cu,
             seq_lens_cpu=seq_lens,
         )
+
+
+def flatten_step(seqs_token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
+                 block_size: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """A step's per-sequence lists as the flat host lists the kernels take: (input_ids, positions,
+    slot_mapping, cu_seqlens_q, seq_lens); see `ForwardBatch.build` for the arguments."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    cu = [0]
+    seq_lens: list[int] = []
+    for toks, ctx, blocks in zip(seqs_token_ids, context_lens, block_tables, strict=True):
+        n = len(toks)
+        input_ids.extend(toks)
+        for p in range(ctx, ctx + n):
+            positions.append(p)
+            slot_mapping.append(blocks[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + n)
+        seq_lens.append(ctx + n)
+    return input_ids, positions, slot_mapping, cu, seq_lens
 
 
 def _ordered_batches(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
