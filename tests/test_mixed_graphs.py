@@ -10,7 +10,7 @@ import torch
 
 from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.llm_engine import LLMEngine
-from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
+from nibble.engine.mixed_graphs import GraphKey, MixedGraphs, mixed_capture_sizes
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
@@ -27,6 +27,25 @@ def _install(engine: LLMEngine, max_tokens: int = 512) -> MixedGraphs:
                          full_hidden=engine.config.speculative)
     runner.mixed_graphs = graphs
     return graphs
+
+
+class _EagerReplay:
+    """Stands in for a captured graph on the CPU: a replay computes the loaded padded step into the output buffer,
+    as a real one rewrites its captured output."""
+
+    def __init__(self, graphs: MixedGraphs, key: GraphKey) -> None:
+        self.graphs, self.key = graphs, key
+
+    def replay(self) -> None:
+        self.graphs.outputs[self.key] = self.graphs.forward(self.key)
+
+
+def _fake_capture(graphs: MixedGraphs, max_tokens: int) -> set[GraphKey]:
+    """'Capture' the keys of up to max_tokens tokens (`_EagerReplay`); the others stay uncaptured."""
+    keys = {k for k in graphs.keys if k[0] <= max_tokens}
+    for key in keys:
+        graphs.graphs[key] = _EagerReplay(graphs, key)  # type: ignore[assignment]
+    return keys
 
 
 def test_capture_sizes() -> None:
@@ -140,6 +159,27 @@ def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_step_counts_say_what_ran() -> None:
+    """A padded step counts as a mixed-step graph only when a graph of its size was replayed; computed eagerly
+    (no graph of that size) it counts as eager, as an unpadded step does."""
+    engine = _engine()
+    runner = engine.runner
+    graphs = _install(engine)
+    step = _step(engine, [(0, 5), (0, 3)], seed=4)
+    key = graphs.padded_size(8, 2, 5)
+    assert key is not None and not graphs.replays(key)
+    eager = runner.run(step)
+    assert runner.step_counts == {"decode_graph": 0, "mixed_graph": 0, "verify_graph": 0, "eager": 1}
+    graphs.graphs[key] = _EagerReplay(graphs, key)  # type: ignore[assignment]
+    assert graphs.replays(key)
+    replayed = runner.run(step)
+    assert runner.step_counts == {"decode_graph": 0, "mixed_graph": 1, "verify_graph": 0, "eager": 1}
+    assert eager is not None and replayed is not None and replayed.shape == eager.shape
+    runner.mixed_graphs = None
+    runner.run(step)
+    assert runner.step_counts["eager"] == 2
+
+
 @pytest.mark.parametrize("num_speculative_tokens", [0, 2])
 def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int) -> None:
     """With speculative decoding the prefill steps' target pass runs padded (every token's hidden row out, for
@@ -170,18 +210,31 @@ def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int) -> 
         assert generate(_engine(max_num_batched_tokens=64, num_speculative_tokens=2)) == want
     engine = _engine(max_num_batched_tokens=64, num_speculative_tokens=num_speculative_tokens)
     graphs = _install(engine, max_tokens=64)
-    calls: list[tuple[int, int]] = []
+    captured = _fake_capture(graphs, max_tokens=32)
+    calls: list[GraphKey] = []
     real = graphs.run
 
-    def run(size: tuple[int, int], num_seqs: int) -> torch.Tensor:
+    def run(size: GraphKey, num_seqs: int) -> torch.Tensor:
         calls.append(size)
         return real(size, num_seqs)
 
     graphs.run = run  # type: ignore[method-assign]
+    runner = engine.runner
+    prepare = runner._prepare_caches
+    model_steps = [0]
+
+    def counting_prepare(step: StepInputs) -> None:  # once per model step, whichever way it runs
+        model_steps[0] += 1
+        prepare(step)
+
+    runner._prepare_caches = counting_prepare  # type: ignore[method-assign]
     assert generate(engine) == want
-    assert calls, "no step ran padded"
+    replayed = [k for k in calls if k in captured]
+    assert replayed and len(replayed) < len(calls), "steps of captured and of uncaptured sizes both ran padded"
+    # a padded step of a size without a graph ran eagerly and counts so
     stats = engine.stats()
-    assert stats["model_steps_mixed_graph"] == len(calls)
+    assert stats["model_steps_mixed_graph"] == len(replayed)
+    assert stats["model_steps_eager"] == model_steps[0] - len(replayed)
     assert stats["model_steps_decode_graph"] == stats["model_steps_verify_graph"] == 0
     if num_speculative_tokens:
         assert stats["spec_decode_num_draft_tokens"] > 0

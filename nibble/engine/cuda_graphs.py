@@ -1,22 +1,96 @@
 """CUDA graphs for decode steps: one graph per padded batch size, all sharing static input buffers and one
 memory pool. A decode batch of B sequences runs the smallest captured size >= B; padded rows read block 0
-and state slot 0 (reserved scratch) and write no KV (slot -1)."""
+and state slot 0 (reserved scratch) and write no KV (slot -1).
+
+`capture_set` captures any of the runner's graph sets (these, mixed_graphs.py's, spec_decode.py's verify
+graphs) size by size, the tensor-parallel ranks in step."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from nibble.engine.parallel import rank_failures
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.parallel import SINGLE, ParallelContext
 
 logger = logging.getLogger("nibble.engine")
 
 T = TypeVar("T")
+
+
+class GraphSet(Protocol):
+    """Graphs captured one size (key) at a time: `capture_one(key)` for each of `capture_keys()`, in order."""
+
+    device: torch.device
+
+    def capture_keys(self) -> list[Any]: ...
+
+    def capture_one(self, key: Any) -> None: ...
+
+
+def capture_set(graphs: GraphSet, what: str, parallel: ParallelContext = SINGLE, min_free_bytes: int = 0) -> bool:
+    """Capture every size of `graphs`; False (logged: `what` then runs eagerly) if it fails in any way.
+
+    Each size's capture runs the model, collectives included, so tensor-parallel ranks must capture the same
+    sizes in the same order: before the set they agree (`rank_failures`) that each has min_free_bytes free (a
+    lower bound of what the set keeps), after each size that each captured it, and a failure anywhere makes
+    every rank drop the set. A rank failing between two collectives of a size's eager run still leaves the
+    others waiting in the next one (until the process group's timeout): only the memory check keeps a
+    certain shortfall out of there. At tensor-parallel size 1 nothing is agreed and the first failure drops
+    the set."""
+    if parallel.is_parallel:
+        failures = rank_failures(parallel, _memory_shortfall(graphs.device, min_free_bytes))
+        if failures:
+            _log_dropped(what, "before the first size", failures, parallel)
+            return False
+    t0 = time.perf_counter()
+    keys = graphs.capture_keys()
+    for key in keys:
+        error = None
+        try:
+            graphs.capture_one(key)
+        except Exception as e:  # any capture failure means: run eagerly
+            error = f"{type(e).__name__}: {e}"
+            if parallel.is_parallel:
+                logger.warning("CUDA graph capture of %s failed at size %s on this rank", what, key, exc_info=True)
+            if graphs.device.type == "cuda":
+                torch.cuda.synchronize(graphs.device)
+        failures = rank_failures(parallel, error)
+        if failures:
+            _log_dropped(what, f"at size {key}", failures, parallel)
+            return False
+    if graphs.device.type == "cuda":
+        torch.cuda.synchronize(graphs.device)
+    logger.info("CUDA graphs for %s ready in %.1f s, sizes %s", what, time.perf_counter() - t0, keys)
+    return True
+
+
+def _memory_shortfall(device: torch.device, need: int) -> str | None:
+    """Why `need` bytes cannot fit on `device` now, or None if they may."""
+    if device.type != "cuda" or need <= 0:
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    # the caching allocator hands its unused blocks back to the driver before an allocation fails
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if free >= need:
+        return None
+    return f"{free / 2**30:.2f} GiB free, the graphs' outputs alone take {need / 2**30:.2f} GiB"
+
+
+def _log_dropped(what: str, where: str, failures: dict[int, str], parallel: ParallelContext) -> None:
+    if not parallel.is_parallel:
+        logger.warning("CUDA graph capture of %s failed %s (%s); they run eagerly", what, where,
+                       failures[parallel.tp_rank])
+        return
+    who = ", ".join(f"rank {rank} ({why})" for rank, why in sorted(failures.items()))
+    logger.warning("CUDA graph capture of %s failed %s on %s; every rank runs them eagerly", what, where, who)
 
 
 def capture_graph(step: Callable[[], T], pool: tuple | None, capture_error_mode: str,
@@ -78,18 +152,18 @@ class DecodeGraphs:
         hidden = self.model(batch, self.caches)
         return self.model.compute_logits(hidden)
 
+    def capture_keys(self) -> list[int]:
+        """The batch sizes, largest first: the smaller ones reuse its memory."""
+        return sorted(self.sizes, reverse=True)
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool (`self.pool`, which other graphs may share)."""
-        pool = None
-        for bs in reversed(self.sizes):
-            graph, out = capture_graph(lambda bs=bs: self._step(bs), pool, self.capture_error_mode, self.device)
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
-        self.pool = pool
-        torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+    def capture_one(self, bs: int) -> None:
+        """Capture batch size bs into `self.pool` (which other graphs may share; the first capture makes it)."""
+        graph, out = capture_graph(lambda: self._step(bs), self.pool, self.capture_error_mode, self.device)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs] = graph
+        self.outputs[bs] = out
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)

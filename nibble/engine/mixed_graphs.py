@@ -27,8 +27,6 @@ fla backend uses up to gated_delta.RECURRENT_MAX_TOKENS tokens, the largest size
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -37,8 +35,6 @@ from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
 from nibble.kernels.paged_attention import SPLIT_MAX_QUERY_LEN
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches, flatten_step
-
-logger = logging.getLogger("nibble.engine")
 
 _TOKEN_SIZES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -80,6 +76,8 @@ class MixedGraphs:
         self.block_table = torch.zeros(b, max_num_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # the memory pool to capture into (e.g. the decode graphs'); the first capture makes one if None
+        self.pool: tuple | None = None
         # sizes up to SPLIT_MAX_QUERY_LEN tokens have short queries only: one graph
         self.keys: list[GraphKey] = [(t, b, True) for t, b in self.sizes] + \
             [(t, b, False) for t, b in self.sizes if t > SPLIT_MAX_QUERY_LEN]
@@ -144,24 +142,29 @@ class MixedGraphs:
         hidden = self.model(batch, self.caches)
         return hidden if self.full_hidden else hidden[batch.logits_indices]
 
+    def capture_keys(self) -> list[GraphKey]:
+        """Every graph's key, largest first: the smaller ones reuse its memory."""
+        return sorted(self.keys, reverse=True)
+
     @torch.inference_mode()
-    def capture(self, pool: tuple | None = None) -> None:
-        """Capture every graph, largest first, into `pool` (e.g. the decode graphs' memory pool) or a new one.
-        The static buffers hold an empty batch meanwhile: every sequence has no token."""
-        for key in sorted(self.keys, reverse=True):
-            graph, out = capture_graph(lambda key=key: self.forward(key), pool, self.capture_error_mode, self.device)
-            pool = pool or graph.pool()
-            self.graphs[key] = graph
-            self.outputs[key] = out
-        torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for mixed steps of (tokens, sequences) %s, each also for queries of at "
-                    "most %d tokens", self.sizes, SPLIT_MAX_QUERY_LEN)
+    def capture_one(self, key: GraphKey) -> None:
+        """Capture the graph of `key` into `self.pool`. The static buffers hold an empty batch meanwhile: every
+        sequence has no token."""
+        graph, out = capture_graph(lambda: self.forward(key), self.pool, self.capture_error_mode, self.device)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = graph
+        self.outputs[key] = out
+
+    def replays(self, key: GraphKey) -> bool:
+        """Whether `run` replays a captured graph for `key` (else it computes the step eagerly)."""
+        return key in self.graphs
 
     @torch.inference_mode()
     def run(self, key: GraphKey, num_rows: int) -> torch.Tensor:
         """Replay the loaded step: hidden [num_rows, hidden_size], num_rows being the step's sequences (their last
         tokens) or, with full_hidden, its tokens (the graph's output buffer: read it before the next replay). A
-        graph not captured (on the CPU: tests) is computed eagerly on the same padded batch."""
+        graph not captured (`replays` False; on the CPU: tests) is computed eagerly on the same padded batch."""
         graph = self.graphs.get(key)
         if graph is None:
             return self.forward(key)[:num_rows]

@@ -5,13 +5,12 @@ the rows to sample. Speculative-decoding steps: spec_steps.py.
 Under tensor parallelism every rank has a ModelRunner over its share of the model and caches. Rank 0's
 `execute` turns the schedule into `StepInputs`, hands them to `broadcast` (the other ranks receive them in
 nibble/engine/worker.py) and runs `run`; the other ranks run the same `run`, so every rank takes the same
-path (graph or eager, same padded size) and their collectives match.
+path (graph or eager, same padded size) and their collectives match. For that every rank holds the same graph
+sets: they capture them in step and all keep or all drop each one (`cuda_graphs.capture_set`).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from itertools import accumulate, pairwise
 
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from nibble.engine.config import EngineConfig
-from nibble.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from nibble.engine.cuda_graphs import DecodeGraphs, capture_set, capture_sizes
 from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
 from nibble.engine.prompt_logprobs import prompt_logprobs
 from nibble.engine.request import PENDING_BASE, TokenLogprobs
@@ -32,8 +31,6 @@ from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 from nibble.layers.parallel import SINGLE, ParallelContext
 from nibble.models.config import FULL_ATTENTION, ModelConfig
-
-logger = logging.getLogger("nibble.engine")
 
 CPU_DEFAULT_KV_GB = 0.25
 # How a model step can run: replayed from a decode, mixed-step or verify CUDA graph, or eagerly.
@@ -214,32 +211,14 @@ class ModelRunner(SpecSteps):
             else:
                 self._capture_graphs()
             self._capture_mixed_graphs()
-        if self.parallel.is_parallel:
-            # A rank replaying a graph while another runs eagerly would pad differently: all or none.
-            if self.parallel.host_min(int(self.graphs is not None)) == 0:
-                self.graphs = None
-            if self.parallel.host_min(int(self.mixed_graphs is not None)) == 0:
-                self.mixed_graphs = None
-            if self.parallel.host_min(int(self.verify_graphs is not None)) == 0:
-                self.verify_graphs = None
-
-    def _captured(self, capture: Callable[[], None], what: str) -> bool:
-        """Run a graph set's `capture`; False (logged: those steps run eagerly) if it fails in any way."""
-        t0 = time.perf_counter()
-        try:
-            capture()
-        except Exception as e:  # any capture failure means: run eagerly
-            logger.warning("CUDA graph capture of %s failed (%s: %s); they run eagerly", what, type(e).__name__, e)
-            torch.cuda.synchronize(self.device)
-            return False
-        logger.info("CUDA graphs for %s ready in %.1f s", what, time.perf_counter() - t0)
-        return True
 
     def _capture_graphs(self) -> None:
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size)
         graphs = DecodeGraphs(self.model, self.caches, max_bs, self.max_num_blocks_per_seq, self.max_model_len,
                               self.device, thread_local_capture=self.parallel.is_parallel)
-        if self._captured(graphs.capture, "decode steps"):
+        # each size keeps its fp32 logits [bs, vocab]
+        kept = sum(graphs.sizes) * self.model_config.vocab_size * 4
+        if capture_set(graphs, "decode steps", self.parallel, kept):
             self.graphs = graphs
 
     def _capture_mixed_graphs(self) -> None:
@@ -250,8 +229,11 @@ class ModelRunner(SpecSteps):
                              self.max_num_blocks_per_seq, self.max_model_len, self.device,
                              thread_local_capture=self.parallel.is_parallel, full_hidden=self.engine.speculative)
         other = self.graphs or self.verify_graphs
-        if self._captured(lambda: graphs.capture(other.pool if other is not None else None),
-                          "mixed prefill/decode steps"):
+        graphs.pool = other.pool if other is not None else None
+        # each graph keeps its hidden rows: every token's with full_hidden, else each sequence's last
+        rows = sum(t if graphs.full_hidden else b for t, b, _ in graphs.keys)
+        kept = rows * self.model_config.hidden_size * self.engine.torch_dtype.itemsize
+        if capture_set(graphs, "mixed prefill/decode steps", self.parallel, kept):
             self.mixed_graphs = graphs
 
     def _capture_verify_graphs(self) -> None:
@@ -259,7 +241,8 @@ class ModelRunner(SpecSteps):
         graphs = VerifyGraphs(self.model, self.caches, max_bs, self.num_spec_tokens, self.max_num_blocks_per_seq,
                               self.max_seq_len, self.block_size, self.device,
                               thread_local_capture=self.parallel.is_parallel)
-        if self._captured(graphs.capture, "speculative verify steps"):
+        if capture_set(graphs, "speculative verify steps", self.parallel,
+                       verify_graph_logits_bytes(self.engine, self.model_config)):
             self.verify_graphs = graphs
 
     @torch.inference_mode()
@@ -322,7 +305,7 @@ class ModelRunner(SpecSteps):
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)
             last = mixed.run(size, num_seqs)
-            self.step_counts["mixed_graph"] += 1
+            self.step_counts["mixed_graph" if mixed.replays(size) else "eager"] += 1
             if not sample_rows:
                 return None
             if len(sample_rows) < num_seqs:

@@ -92,6 +92,20 @@ def init_process_group(config: EngineConfig, rank: int, store: dist.Store) -> Pa
                            group=dist.group.WORLD, cpu_group=cpu_group)
 
 
+def rank_failures(parallel: ParallelContext, error: str | None) -> dict[int, str]:
+    """Which ranks failed at a point every rank reaches, agreed on by all: {rank: why} for each rank whose
+    `error` is not None, {} when none is, the same on every rank. One host all-reduce (MIN of an ok flag, over
+    the gloo group); the reasons are gathered only when some rank failed. No collective at tensor-parallel
+    size 1."""
+    if not parallel.is_parallel:
+        return {} if error is None else {parallel.tp_rank: error}
+    if parallel.host_min(int(error is None)) == 1:
+        return {}
+    errors: list[str | None] = [None] * parallel.tp_size
+    dist.all_gather_object(errors, error, group=parallel.cpu_group)
+    return {rank: e for rank, e in enumerate(errors) if e is not None}
+
+
 class StepChannel:
     """Rank 0 -> every rank: one message per engine step (header int64 [kind, length], then the packed
     `StepInputs`) over the gloo group."""

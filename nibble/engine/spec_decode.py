@@ -21,7 +21,6 @@ batches only); acceptance runs eagerly between them, since sampling settings var
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,6 @@ from torch import nn
 from nibble.engine.cuda_graphs import capture_sizes
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
-
-logger = logging.getLogger("nibble.engine")
 
 
 def _draft_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,27 +171,27 @@ class VerifyGraphs:
                                   self.input_ids[: bs * self.n].view(bs, self.n), self.tokens[:bs],
                                   self.num_accepted[:bs], self.block_size, self.k, self.max_seq_len)
 
+    def capture_keys(self) -> list[int]:
+        """The batch sizes, largest first: the smaller ones reuse its memory."""
+        return sorted(self.sizes, reverse=True)
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool (`self.pool`, which other graphs may share)."""
-        pool = None
-        for bs in reversed(self.sizes):
-            hidden, _ = self._target(bs)
-            self._draft(bs, hidden)
-            torch.cuda.synchronize(self.device)
-            target = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(target, pool=pool, capture_error_mode=self.capture_error_mode):
-                hidden, logits = self._target(bs)
-            if pool is None:
-                pool = target.pool()
-            draft = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(draft, pool=pool, capture_error_mode=self.capture_error_mode):
-                drafts = self._draft(bs, hidden)
-            self.graphs[bs] = _VerifyGraph(target, draft, logits, drafts)
-            self._hidden[bs] = hidden
-        self.pool = pool
+    def capture_one(self, bs: int) -> None:
+        """Capture the target and drafting graphs of batch size bs into `self.pool` (which other graphs may
+        share; the first capture makes it)."""
+        hidden, _ = self._target(bs)
+        self._draft(bs, hidden)
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for speculative verify batch sizes %s (%d drafts)", self.sizes, self.k)
+        target = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(target, pool=self.pool, capture_error_mode=self.capture_error_mode):
+            hidden, logits = self._target(bs)
+        if self.pool is None:
+            self.pool = target.pool()
+        draft = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(draft, pool=self.pool, capture_error_mode=self.capture_error_mode):
+            drafts = self._draft(bs, hidden)
+        self.graphs[bs] = _VerifyGraph(target, draft, logits, drafts)
+        self._hidden[bs] = hidden
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)

@@ -106,7 +106,7 @@ class SpecSteps:
             mixed.load(size, step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                        self.block_size)
             hidden = mixed.run(size, batch.num_tokens)
-            self.step_counts["mixed_graph"] += 1
+            self.step_counts["mixed_graph" if mixed.replays(size) else "eager"] += 1
         else:
             hidden = self.model(batch, self.caches)
             self.step_counts["eager"] += 1
