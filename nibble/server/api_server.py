@@ -25,9 +25,11 @@ from nibble.engine.async_engine import AsyncEngine
 from nibble.server.errors import APIError
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import ModelCard, ModelList
+from nibble.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from nibble.server.serving_base import engine_core, json_response, read_json_body
 from nibble.server.serving_chat import ChatServing
 from nibble.server.serving_completions import CompletionServing
+from nibble.server.serving_responses import ResponsesServing
 from nibble.server.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger("nibble.server")
@@ -57,14 +59,16 @@ def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
-              owns_engine: bool = False, cors: dict[str, Any] | None = None) -> FastAPI:
+              owns_engine: bool = False, cors: dict[str, Any] | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
     metrics and version stay open). `served_model_name`: the name clients use (default: the engine's).
     `owns_engine`: shut the engine down when the app stops. `cors`: CORSMiddleware settings (allow_origins,
     allow_methods, allow_headers, allow_credentials), so that browser pages on other origins can call the API;
-    None adds no CORS headers.
+    None adds no CORS headers. `max_stored_responses`: finished /v1/responses responses kept in memory for
+    previous_response_id and GET /v1/responses/{id} (0 keeps none).
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
@@ -73,6 +77,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     completions = CompletionServing(engine, served, accepted, metrics)
     chat = ChatServing(engine, served, accepted, metrics)
     tokens = TokenizeServing(engine, served, accepted, metrics)
+    responses = ResponsesServing(engine, served, accepted, metrics, store=ResponseStore(max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,6 +155,23 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     @app.post("/v1/chat/completions", dependencies=auth)
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await read_json_body(request), request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await read_json_body(request), request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    async def get_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=auth)
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None) -> Response:
+        return responses.input_items(response_id, limit, order, after)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:

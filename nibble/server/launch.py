@@ -61,6 +61,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CORS: allowed request headers, a JSON list (default: %(default)s)")
     server.add_argument("--allowed-credentials", action="store_true",
                         help="CORS: allow credentials (cookies, authorization headers)")
+    server.add_argument("--max-stored-responses", type=int, default=None,
+                        help="/v1/responses: how many finished responses to keep in memory for previous_response_id "
+                             "and GET /v1/responses/{id}, the least recently used forgotten first; 0 keeps none "
+                             "(default: 1000)")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, in place of the model's")
 
@@ -176,6 +180,12 @@ def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
             "allow_credentials": bool(getattr(args, "allowed_credentials", False))}
 
 
+def _store_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """build_app's response-store argument when the flag was given (else the app's default)."""
+    value = getattr(args, "max_stored_responses", None)
+    return {} if value is None else {"max_stored_responses": value}
+
+
 def _fail(message: str) -> int:
     print(f"nibble serve: error: {message}", file=sys.stderr)
     return 1
@@ -206,6 +216,8 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(log_level.upper())
     if not 0 <= args.port <= 65535:
         return _fail(f"--port must be in 0..65535, got {args.port}")
+    if (getattr(args, "max_stored_responses", None) or 0) < 0:
+        return _fail(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
 
     from nibble.engine.async_engine import AsyncEngine
     from nibble.engine.config import EngineConfig, EngineConfigError
@@ -256,7 +268,8 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
     from nibble.server.serving_base import engine_core
 
     app = build_app(engine, api_key=args.api_key or None, served_model_name=args.served_model_name,
-                    owns_engine=True, cors=cors_settings(args))
+                    owns_engine=True, cors=cors_settings(args),
+                    **_store_settings(args))
     # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long.
     config = uvicorn.Config(app, log_level=args.log_level, log_config=None, access_log=False,
                             timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

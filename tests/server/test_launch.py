@@ -69,6 +69,7 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["--port", "{busy}"], "cannot listen"),
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
     (["--chat-template", "{% if %}"], "--chat-template"),
+    (["--max-stored-responses", "-1"], "--max-stored-responses"),
 ])
 def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,7 +149,7 @@ def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
     port = _free_port()
     argv = [sys.executable, "-m", "nibble.cli", "serve", "--model", model_kwargs["model"], "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "4",
-            "--served-model-name", "tiny", "--api-key", "sk-test"]
+            "--served-model-name", "tiny", "--api-key", "sk-test", "--max-stored-responses", "0"]
     env = {**os.environ, "NIBBLE_API_KEY": ""}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -168,6 +169,10 @@ def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
+        r = httpx.post(url + "/v1/responses", headers=headers, timeout=30,
+                       json={"model": "tiny", "input": "hi", "max_output_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3 and r.json()["store"] is False
+        assert httpx.get(url + f"/v1/responses/{r.json()['id']}", headers=headers).status_code == 404
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -1,0 +1,280 @@
+"""/v1/responses (OpenAI's Responses API) over HTTP with the official openai client: the same prompt and the
+same generation as the chat request it amounts to, streamed events that add up to the non-streaming response,
+function calls continued with previous_response_id, the store, and errors naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from nibble.engine.tokenizer import Tokenizer
+from nibble.server.response_store import ResponseStore
+from nibble.server.responses_items import ItemError, input_to_messages, with_instructions
+from nibble.server.responses_protocol import ResponseObject
+
+from .conftest import ServerHandle, metric_value, wait_idle
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                          "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                         "required": ["city", "days"]}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+
+
+def prompt_len(tokenizer: Tokenizer, messages: list[dict], **kwargs) -> int:
+    return len(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)))
+
+
+def respond(client: openai.OpenAI, server: ServerHandle, extra_body: dict | None = None, **kwargs):
+    return client.responses.create(model=server.model, temperature=0.0,
+                                   extra_body={"ignore_eos": True, **(extra_body or {})}, **kwargs)
+
+
+def test_same_generation_as_chat(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """Instructions + input render the prompt of the chat messages [system, user]; reasoning and answer are
+    what /v1/chat/completions returns for them."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    out = respond(client, server, instructions="Be brief.", input="Name a colour.", max_output_tokens=24)
+    chat = client.chat.completions.create(model=server.model, messages=messages, max_tokens=24, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+    assert out.id.startswith("resp_") and out.object == "response" and out.model == server.model
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage.input_tokens == chat.usage.prompt_tokens == prompt_len(tokenizer, messages)
+    assert out.usage.output_tokens == 24 and out.usage.total_tokens == out.usage.input_tokens + 24
+    reasoning = [o for o in out.output if o.type == "reasoning"]
+    message = chat.choices[0].message
+    assert reasoning and reasoning[0].content[0].text == message.model_extra["reasoning_content"]
+    assert out.output_text == (message.content or "")
+    assert 0 < out.usage.output_tokens_details.reasoning_tokens <= 24
+
+    no_think = respond(client, server, input="Name a colour.", max_output_tokens=12, reasoning={"effort": "none"})
+    chat = client.chat.completions.create(model=server.model, messages=messages[1:], max_tokens=12, temperature=0.0,
+                                          extra_body={"ignore_eos": True, **NO_THINK})
+    assert [o.type for o in no_think.output] == ["message"]
+    assert no_think.output_text == chat.choices[0].message.content
+    assert no_think.usage.output_tokens_details.reasoning_tokens == 0
+    assert no_think.usage.input_tokens == prompt_len(tokenizer, messages[1:], enable_thinking=False)
+
+
+def _events(stream) -> tuple[list, ResponseObject]:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    return events, events[-1].response
+
+
+def _check_stream_adds_up(events: list, final) -> None:
+    """Each item is opened, filled by its deltas, and closed with the text of those deltas."""
+    for index, item in enumerate(final.output):
+        added = [e for e in events if e.type == "response.output_item.added" and e.output_index == index]
+        done = [e for e in events if e.type == "response.output_item.done" and e.output_index == index]
+        assert len(added) == 1 and len(done) == 1 and done[0].item == item
+        deltas = "".join(e.delta for e in events
+                         if getattr(e, "item_id", None) == item.id and e.type.endswith(".delta"))
+        if item.type in ("reasoning", "message"):
+            assert deltas == item.content[0].text
+        else:
+            assert deltas == item.arguments
+            assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"
+                    and e.item_id == item.id] == [item.arguments]
+
+
+def _strip_ids(items: list) -> list[dict]:
+    return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")} for item in items]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"input": "Name a colour.", "max_output_tokens": 30},
+    {"input": "Name a colour.", "max_output_tokens": 20, "reasoning": {"effort": "none"}},
+    {"input": "Weather in Rome?", "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+     "max_output_tokens": 200, "reasoning": {"effort": "none"}},
+])
+def test_stream_matches_non_stream(client: openai.OpenAI, server: ServerHandle, kwargs: dict) -> None:
+    out = respond(client, server, extra_body={"ignore_eos": False}, **kwargs)
+    events, final = _events(respond(client, server, extra_body={"ignore_eos": False}, stream=True, **kwargs))
+    _check_stream_adds_up(events, final)
+    assert _strip_ids(final.output) == _strip_ids(out.output)
+    assert final.status == out.status and final.usage == out.usage
+    if "tools" in kwargs:
+        (call,) = final.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+        assert set(json.loads(call.arguments)) == {"city", "days"} and final.status == "completed"
+
+
+def test_function_call_round_trip(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """A function call answered through previous_response_id: the follow-up's prompt is the chat template's
+    rendering of user turn, assistant tool call and tool result (tools are not carried over, as in OpenAI)."""
+    first = respond(client, server, input="Weather in Rome?", tools=TOOLS, tool_choice="required",
+                    parallel_tool_calls=False, max_output_tokens=200, reasoning={"effort": "none"},
+                    extra_body={"ignore_eos": False})
+    (call,) = first.output
+    follow = respond(client, server, previous_response_id=first.id, tools=TOOLS, max_output_tokens=8,
+                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+                     reasoning={"effort": "none"})
+    assert follow.previous_response_id == first.id
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    assert follow.usage.input_tokens == prompt_len(tokenizer, messages, tools=CHAT_TOOLS, enable_thinking=False)
+    # the same conversation sent whole, without the store, is the same prompt
+    whole = respond(client, server, store=False, tools=TOOLS, max_output_tokens=8, reasoning={"effort": "none"},
+                    input=[{"role": "user", "content": "Weather in Rome?"}, call.model_dump(),
+                           {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert whole.usage.input_tokens == follow.usage.input_tokens and whole.output_text == follow.output_text
+    items = client.responses.input_items.list(follow.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+
+
+def test_logprobs_of_the_answer(client: openai.OpenAI, server: ServerHandle) -> None:
+    kwargs = {"input": "Name a colour.", "max_output_tokens": 16, "reasoning": {"effort": "none"},
+              "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    out = respond(client, server, **kwargs)
+    (message,) = out.output
+    part = message.content[0]
+    assert "".join(lp.token for lp in part.logprobs) == part.text and len(part.logprobs) == 16
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    events, final = _events(respond(client, server, stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in part.logprobs]
+    assert final.output[0].content[0].logprobs == part.logprobs
+    # with thinking on, only the answer's tokens are listed, not the reasoning's
+    thinking = respond(client, server, input="Name a colour.", max_output_tokens=40, top_logprobs=0)
+    for item in thinking.output:
+        if item.type == "message":
+            assert "".join(lp.token for lp in item.content[0].logprobs).endswith(item.content[0].text)
+
+
+def test_json_schema_text_format(client: openai.OpenAI, server: ServerHandle) -> None:
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "rain"]},
+                                               "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
+              "required": ["sky", "temp"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "w", "schema": schema, "strict": True}
+    out = client.responses.create(model=server.model, input="Weather as JSON", max_output_tokens=60, temperature=0.8,
+                                  reasoning={"effort": "none"}, text={"format": fmt}, extra_body={"seed": 3})
+    assert out.status == "completed"
+    value = json.loads(out.output_text)
+    assert set(value) == {"sky", "temp"} and value["sky"] in ("clear", "rain")
+
+
+def test_store_retrieve_delete(client: openai.OpenAI, server: ServerHandle, http: httpx.Client) -> None:
+    out = respond(client, server, input="Hello", max_output_tokens=4, metadata={"k": "v"})
+    got = client.responses.retrieve(out.id)
+    assert got.model_dump() == out.model_dump() and got.metadata == {"k": "v"}
+    client.responses.delete(out.id)
+    r = http.get(f"/v1/responses/{out.id}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    unstored = respond(client, server, input="Hello", max_output_tokens=4, store=False)
+    assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
+    r = http.post("/v1/responses", json={"input": "Hi", "previous_response_id": unstored.id})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_store_is_bounded() -> None:
+    store = ResponseStore(2)
+    responses = [ResponseObject(model="m") for _ in range(3)]
+    store.put(responses[0], [])
+    store.put(responses[1], [])
+    assert store.get(responses[0].id) is not None  # now the most recently used
+    store.put(responses[2], [])
+    assert len(store) == 2 and store.get(responses[1].id) is None and store.get(responses[0].id) is not None
+    empty = ResponseStore(0)
+    empty.put(responses[0], [])
+    assert len(empty) == 0 and not empty.enabled
+
+
+def test_items_of_a_turn_become_one_assistant_message() -> None:
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Done."}]},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    messages = with_instructions(input_to_messages(items), "Be kind.")
+    assert messages == [
+        {"role": "system", "content": "Be kind.\n\nRules."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "reasoning_content": "Hmm.", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "reasoning_content": "Done.", "content": "Sunny."},
+    ]
+    with pytest.raises(ItemError) as err:
+        input_to_messages([{"role": "user", "content": "a"}, {"type": "web_search_call", "id": "x"}])
+    assert err.value.param == "input[1].type"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "include": ["everything"]}, "include"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format"),
+    ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "model": "other"}, "model"),
+    ({"input": "hi", "reasoning": {"effort": "none"}, "chat_template_kwargs": {"enable_thinking": True}},
+     "reasoning"),
+])
+def test_bad_requests_name_the_field(http: httpx.Client, body: dict, param: str) -> None:
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"]
+
+
+def test_stream_disconnect_aborts(server: ServerHandle, http: httpx.Client) -> None:
+    def aborted() -> float:
+        return metric_value(http.get("/metrics").text, "nibble:request_success_total", finished_reason="abort")
+
+    before = aborted()
+    body = {"input": "Tell me a long story", "max_output_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 5:
+                break
+    assert wait_idle(server.engine), server.engine.stats()
+    assert aborted() == before + 1
+
+
+def test_sdk_stream_helper_accumulates_the_same_response(client: openai.OpenAI, server: ServerHandle) -> None:
+    """The openai SDK's `responses.stream` builds its snapshot from the events; it must end as the final
+    response the server sent, and as a non-streaming response. (The helper wants response.completed: the output
+    is constrained here so that the random model finishes.)"""
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "rain"]}}, "required": ["sky"]}
+    kwargs = {"input": "Sky as JSON", "max_output_tokens": 40, "temperature": 0.0, "reasoning": {"effort": "none"},
+              "text": {"format": {"type": "json_schema", "name": "sky", "schema": schema}}}
+    with client.responses.stream(model=server.model, **kwargs) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    out = client.responses.create(model=server.model, **kwargs)
+    assert "".join(texts) == final.output_text == out.output_text and json.loads(out.output_text)["sky"]
+    assert [(o.type, o.status) for o in final.output] == [(o.type, o.status) for o in out.output]
