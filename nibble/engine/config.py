@@ -56,6 +56,10 @@ class EngineConfig:
     # a Jinja chat template, or the path of a file holding one, in place of the tokenizer's (--chat-template)
     chat_template: str | None = None
     served_model_name: str | None = None
+    # request defaults: "auto" (the model's generation_config.json), "vllm" (none) or a directory holding a
+    # generation_config.json; then single fields replaced (generation_config.load_generation_defaults)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"

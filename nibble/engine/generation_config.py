@@ -1,13 +1,17 @@
 """Sampling defaults a model ships in generation_config.json.
 
 Servers apply these when a request leaves a parameter unset (vLLM's `--generation-config auto` behaviour):
-Qwen3.5, for instance, asks for temperature 0.6, top_p 0.95, top_k 20.
+Qwen3.5, for instance, asks for temperature 0.6, top_p 0.95, top_k 20. As in vLLM, `--generation-config vllm`
+ignores them, `--generation-config DIR` reads DIR/generation_config.json instead, and
+`--override-generation-config '{"temperature": 0.7}'` replaces single fields (`load_generation_defaults`).
+The end-of-sequence ids always come from the model directory: they belong to the checkpoint, not to a
+sampling preference.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,9 @@ class GenerationConfigError(ValueError):
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_new_tokens")
+# what --override-generation-config may set
+OVERRIDE_FIELDS = (*_FLOAT_FIELDS, *_INT_FIELDS, "do_sample")
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -94,3 +101,29 @@ class GenerationDefaults:
         if self.do_sample is False:
             out["temperature"] = 0.0
         return out
+
+
+def load_generation_defaults(model_dir: str | Path, source: str = "auto",
+                             override: dict[str, Any] | None = None) -> GenerationDefaults:
+    """The sampling defaults an engine applies: `source` "auto" (the model's generation_config.json), "vllm"
+    (none) or a directory holding a generation_config.json, then the fields of `override` on top (null
+    clears a field). Raises GenerationConfigError naming the flag, file or field."""
+    model = GenerationDefaults.from_pretrained(model_dir)
+    if source == "auto":
+        defaults = model
+    elif source == "vllm":
+        defaults = GenerationDefaults(eos_token_ids=model.eos_token_ids)
+    else:
+        folder = Path(source)
+        if not (folder / "generation_config.json").is_file():
+            raise GenerationConfigError(f"--generation-config: expected auto, vllm or a directory holding a "
+                                        f"generation_config.json; {folder} has none")
+        defaults = replace(GenerationDefaults.from_pretrained(folder), eos_token_ids=model.eos_token_ids)
+    if override:
+        unknown = sorted(set(override) - set(OVERRIDE_FIELDS))
+        if unknown:
+            raise GenerationConfigError(f"--override-generation-config: unknown field(s) {', '.join(unknown)}; "
+                                        f"known: {', '.join(OVERRIDE_FIELDS)}")
+        parsed = GenerationDefaults.from_dict(override, source="--override-generation-config")
+        defaults = replace(defaults, **{name: getattr(parsed, name) for name in override})
+    return defaults

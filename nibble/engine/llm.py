@@ -32,18 +32,28 @@ class LLM:
             raise ValueError("this model has no tokenizer")
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams holding the request defaults of the engine's generation config (the model's
+        generation_config.json unless `generation_config` / `override_generation_config` say otherwise), what
+        `generate` uses when given none, as vLLM's LLM does."""
+        values = self.engine.generation_defaults.sampling_overrides()
+        max_new_tokens = values.pop("max_new_tokens", None)
+        if max_new_tokens is not None:
+            values["max_tokens"] = max_new_tokens
+        return SamplingParams(**values)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list: text, token-id lists, or {"prompt": ...}/{"prompt_token_ids": ...}.
-        Returns one RequestOutput per prompt, in order."""
+        Without sampling_params, `get_default_sampling_params()`. Returns one RequestOutput per prompt, in order."""
         items = self._normalize(prompts)
         if isinstance(sampling_params, Sequence):
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
         else:
-            params = [sampling_params or SamplingParams() for _ in items]
+            params = [sampling_params or self.get_default_sampling_params() for _ in items]
         ids = []
         for p, sp in zip(items, params):
             self._counter += 1

@@ -35,7 +35,7 @@ from nibble.engine.block_manager import BlockManager
 from nibble.engine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from nibble.engine.generation_config import GenerationDefaults
+from nibble.engine.generation_config import GenerationConfigError, load_generation_defaults
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import WorkerGroup
@@ -113,7 +113,11 @@ class LLMEngine:
                                             if (tok_dir / "tokenizer.json").is_file() else None)
         if template is not None and self.tokenizer is None:
             raise EngineConfigError(f"--chat-template: {tok_dir} has no tokenizer.json to render chats with")
-        self.generation_defaults = GenerationDefaults.from_pretrained(self.model_dir)
+        try:
+            self.generation_defaults = load_generation_defaults(self.model_dir, config.generation_config,
+                                                                config.override_generation_config)
+        except GenerationConfigError as exc:
+            raise EngineConfigError(str(exc)) from None
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > self.model_config.max_position_embeddings:
             raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "

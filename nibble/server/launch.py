@@ -35,7 +35,8 @@ _ENGINE_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
-    "max_waiting_requests", "chat_template", "enable_prefix_caching", "prefix_cache_slots", "num_speculative_tokens",
+    "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
+    "prefix_cache_slots", "num_speculative_tokens",
 )
 
 
@@ -95,6 +96,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length, prompt + output (default: the model's, at most 32768)")
     model.add_argument("--seed", type=int, default=None, help="engine random seed (default: 0)")
+    model.add_argument("--generation-config", default=None,
+                       help="request defaults: 'auto' (the model's generation_config.json), 'vllm' (none: the "
+                            "engine's) or a directory holding a generation_config.json (default: auto)")
+    model.add_argument("--override-generation-config", type=_json_object("--override-generation-config"),
+                       default=None, help="request default fields to replace, a JSON object, e.g. "
+                                          "'{\"temperature\": 0.7, \"max_new_tokens\": 4096}'")
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -155,6 +162,21 @@ def _json_list(flag: str) -> Any:
             value = None
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+        return value
+
+    return parse
+
+
+def _json_object(flag: str) -> Any:
+    """argparse type of a flag taking a JSON object."""
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, e.g. '{{\"temperature\": 0.7}}', "
+                                             f"got {text!r}")
         return value
 
     return parse

@@ -36,14 +36,16 @@ def test_flags_map_to_engine_config() -> None:
                  "--gpu-memory-utilization", "0.8", "--block-size", "32", "--enforce-eager", "--seed", "7",
                  "--moe-backend", "triton", "--attention-backend", "torch", "--linear-backend", "triton",
                  "--max-waiting-requests", "10", "--kv-cache-memory-gb", "2", "--log-level", "DEBUG",
-                 "--no-async-scheduling", "--no-warmup")
+                 "--no-async-scheduling", "--no-warmup", "--generation-config", "vllm",
+                 "--override-generation-config", '{"temperature": 0.3}')
     config = EngineConfig(**engine_config_kwargs(args))
     expected = {"model": "/m", "tokenizer": "/t", "served_model_name": "qwen", "device": "cpu", "dtype": "bfloat16",
                 "kv_cache_dtype": "fp8_e4m3", "load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 32,
                 "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.8, "block_size": 32,
                 "enforce_eager": True, "seed": 7, "moe_backend": "triton", "attention_backend": "torch",
                 "linear_backend": "triton", "max_waiting_requests": 10, "kv_cache_memory_gb": 2.0,
-                "async_scheduling": False, "warmup": False}
+                "async_scheduling": False, "warmup": False, "generation_config": "vllm",
+                "override_generation_config": {"temperature": 0.3}}
     assert {k: getattr(config, k) for k in expected} == expected
     assert args.log_level == "debug"
 
@@ -58,6 +60,9 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         parse("--kv-cache-dtype", "int4")
     assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        parse("--override-generation-config", "[1]")
+    assert info.value.code == 2 and "takes a JSON object" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -70,6 +75,8 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
     (["--chat-template", "{% if %}"], "--chat-template"),
     (["--max-stored-responses", "-1"], "--max-stored-responses"),
+    (["--generation-config", "/no/such/dir"], "--generation-config"),
+    (["--override-generation-config", '{"temp": 1}'], "--override-generation-config"),
 ])
 def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
