@@ -134,6 +134,33 @@ def test_matches_transformers(hf_tokenizer, tok, name, add_generation_prompt, en
     assert got == want
 
 
+@pytest.mark.parametrize("enable_thinking", [None, False])
+@pytest.mark.parametrize("prefill", [
+    {"role": "assistant", "content": "The answer is"},
+    {"role": "assistant", "content": "```json\n{\"a\": 1,\n  "},  # trailing whitespace: the template trims it
+    {"role": "assistant", "reasoning_content": "Think first.", "content": "So:"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Part one, "}, {"type": "text", "text": "two"}]},
+])
+def test_continue_final_message_matches_transformers(hf_tokenizer, tok, prefill, enable_thinking) -> None:
+    messages = [*CONVERSATIONS["single_user"], prefill]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    want = _hf(hf_tokenizer, messages, add_generation_prompt=False, continue_final_message=True, **kwargs)
+    got = tok.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=False, continue_final_message=True,
+                                  enable_thinking=enable_thinking)
+    assert got == want and not got.endswith("<|im_end|>\n")
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "match"), [
+    ([{"role": "user", "content": "hi"}], {"add_generation_prompt": False}, "continues an assistant message"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], {}, "cannot both be true"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], {"add_generation_prompt": False},
+     "nothing to continue"),
+])
+def test_continue_final_message_errors(tok, messages, kwargs, match) -> None:
+    with pytest.raises(ChatTemplateError, match=match):
+        tok.apply_chat_template(messages, continue_final_message=True, **kwargs)
+
+
 def test_tools_without_system_message(hf_tokenizer, tok) -> None:
     messages = CONVERSATIONS["single_user"]
     want = _hf(hf_tokenizer, messages, tools=[WEATHER_TOOL], add_generation_prompt=True)

@@ -242,13 +242,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render a chat prompt string, like transformers' `apply_chat_template(..., tokenize=False)`.
 
         The template sees `messages`, `tools`, `add_generation_prompt`, the special-token strings
         (`eos_token`, `pad_token`, ...), `enable_thinking` when not None, and `template_kwargs` (clients'
-        `chat_template_kwargs`, which may override the special-token strings, as in transformers). Raises
+        `chat_template_kwargs`, which may override the special-token strings, as in transformers).
+        `continue_final_message`: the prompt ends inside the final (assistant) message, right after its content,
+        so that generation continues it (an answer prefilled by the client), cut as transformers cuts it. Raises
         `ChatTemplateError` for invalid messages or when the template rejects the conversation.
         """
         if not self._templates:
@@ -260,9 +263,26 @@ class Tokenizer:
         variables: dict[str, Any] = {**self.special_tokens, **template_kwargs}
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
-        return template.render(
-            validate_messages(messages),
-            tools=checked_tools,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        checked = validate_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: "
+                                        "set add_generation_prompt to false to continue the final message")
+            if checked[-1]["role"] != "assistant":
+                raise ChatTemplateError(f"messages[{len(checked) - 1}].role: continue_final_message continues an "
+                                        f"assistant message, got '{checked[-1]['role']}'")
+        rendered = template.render(checked, tools=checked_tools, add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        return _cut_after_final_message(rendered, checked[-1]) if continue_final_message else rendered
+
+
+def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:
+    """`rendered` up to the end of the final message's content (templates trim it; then up to its trimmed
+    form), dropping the end-of-turn the template wrote after it."""
+    content = final.get("content") or ""
+    for text in (content, content.strip()):
+        at = rendered.rfind(text) if text else -1
+        if at >= 0:
+            return rendered[: at + len(text)]
+    raise ChatTemplateError(f"continue_final_message: the final message's content {content[:40]!r} does not appear "
+                            "in the rendered prompt (an empty message has nothing to continue)")

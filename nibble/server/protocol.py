@@ -27,7 +27,7 @@ def _now() -> int:
 
 
 # Template inputs that have their own request fields (and parameters of `Tokenizer.apply_chat_template`).
-_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 
 # Every stop string is searched for after every generated token, on the engine thread that serves all
 # requests: an unbounded list (100k strings added ~60 ms to each step of every request) is refused.
@@ -269,6 +269,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM/transformers: generation continues the final (assistant) message instead of starting a new turn
+    continue_final_message: bool = False
     include_reasoning: bool = True
 
     @field_validator("tool_choice")

@@ -217,17 +217,19 @@ class OpenAIServing:
             raise bad_request("this model has no tokenizer: send token ids as the prompt", param="prompt")
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any],
+                    continue_final_message: bool = False) -> tuple[str, list[int]]:
         """The chat template's prompt text for `messages` and its token ids; a template error is a 400 naming
-        `tools` or `messages`."""
+        `tools`, `messages` or `continue_final_message`."""
         assert self.tokenizer is not None
         try:
             prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                         add_generation_prompt=add_generation_prompt,
+                                                        continue_final_message=continue_final_message,
                                                         **template_kwargs)
         except ChatTemplateError as exc:
             message = str(exc)
-            param = "tools" if message.startswith("tools") else "messages"
+            param = next((p for p in ("tools", "continue_final_message") if message.startswith(p)), "messages")
             raise bad_request(message, param=param) from None
         return prompt, self.tokenizer.encode(prompt)
 

@@ -26,7 +26,7 @@ from nibble.server.protocol import (
     UsageInfo,
     random_id,
 )
-from nibble.server.reasoning import THINK_END
+from nibble.server.reasoning import THINK_END, THINK_START
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     UNSUPPORTED_FIELDS,
@@ -51,7 +51,6 @@ CHAT_UNSUPPORTED_FIELDS = {
     "web_search_options": "web search is not supported",
     "chat_template": "a per-request chat template is not supported; the model's template is used",
     "documents": "documents are not supported",
-    "continue_final_message": "continue_final_message is not supported",
     "echo": "echo is not supported",
 }
 
@@ -102,13 +101,14 @@ class ChatServing(OpenAIServing):
             kwargs = self._template_kwargs(req, body)
             # Rendering and tokenizing a long conversation takes milliseconds: keep the event loop free.
             prompt, ids = await asyncio.to_thread(self.render_chat, req.messages, req.tools_for_template,
-                                                  req.add_generation_prompt, kwargs)
+                                                  req.add_generation_prompt, kwargs, req.continue_final_message)
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
             max_tokens = req.max_new_tokens or min(room, self.default_max_new_tokens or room)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+            thinking = (prompt.rfind(THINK_START) > prompt.rfind(THINK_END) if req.continue_final_message
+                        else kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END))
             structured = await self.structured_outputs(req, after_reasoning=thinking,
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)

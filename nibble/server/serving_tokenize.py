@@ -25,6 +25,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
@@ -64,7 +65,8 @@ class TokenizeServing(OpenAIServing):
         if req.prompt is not None:
             return self.tokenizer.encode(req.prompt)
         assert req.messages is not None
-        return self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs or {})[1]
+        return self.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs or {},
+                                req.continue_final_message)[1]
 
     async def tokenize(self, body: dict[str, Any]) -> Response:
         req = parse_model(TokenizeRequest, body)

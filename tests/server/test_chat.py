@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 
 from nibble.engine.tokenizer import Tokenizer
@@ -189,3 +190,25 @@ def test_n_choices(client: openai.OpenAI, server: ServerHandle, tokenizer: Token
         assert "".join(p.delta.content or "" for p in parts) == out.choices[j].message.content
         assert [p.finish_reason for p in parts if p.finish_reason] == ["length"]
     assert chunks[-1].usage.completion_tokens == 36
+
+
+def test_continue_final_message(client: openai.OpenAI, server: ServerHandle, tokenizer: Tokenizer,
+                                http: httpx.Client) -> None:
+    """The answer the client prefilled is continued: the prompt is the conversation cut after the final message's
+    content (as transformers cuts it), the output is all content (the think block is closed in the prompt), and
+    the generation is the completions endpoint's for that prompt text."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.endswith("</think>\n\nIt is")
+    out = chat(client, server, messages=messages, max_tokens=8,
+               extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert out.usage.prompt_tokens == len(tokenizer.encode(rendered))
+    message = out.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") is None
+    raw = client.completions.create(model=server.model, prompt=rendered, max_tokens=8, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert message.content == raw.choices[0].text
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    assert http.post("/tokenize", json=body).json()["tokens"] == tokenizer.encode(rendered)
+    r = http.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
