@@ -36,9 +36,11 @@ class StoredResponse:
 
 
 def input_items_with_ids(items: str | list[Any]) -> list[dict[str, Any]]:
-    """A request's `input` as a list of items, each with an `id` (given, or a new one), for input_items."""
+    """A request's (already checked) `input` as a list of items, each with an `id` (given, or a new one), for
+    input_items. A message's string content becomes one text part, and a message gets a status, as the openai
+    SDK's item types require; the chat messages the items make are the same."""
     if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+        items = [{"type": "message", "role": "user", "content": items}]
     out = []
     for item in items:
         item = dict(item)
@@ -46,8 +48,18 @@ def input_items_with_ids(items: str | list[Any]) -> list[dict[str, Any]]:
             item["id"] = response_id(_ID_PREFIXES.get(item.get("type", "message"), "item"))
         if "type" not in item:
             item["type"] = "message"
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                item["content"] = [_text_part(item.get("role"), item["content"])]
+            item.setdefault("status", "completed")
         out.append(item)
     return out
+
+
+def _text_part(role: Any, text: str) -> dict[str, Any]:
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
 
 
 class ResponseStore:

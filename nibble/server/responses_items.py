@@ -12,6 +12,7 @@ the offending item, e.g. `input[2].content[0].type`.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from nibble.server.protocol import ChatMessage
@@ -55,9 +56,10 @@ def _text_of(content: Any, where: str) -> str:
         if kind not in _TEXT_PARTS:
             raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported; this model takes text only "
                                            f"(input_text, output_text)")
-        text = part.get("refusal" if kind == "refusal" else "text")
+        key = "refusal" if kind == "refusal" else "text"
+        text = part.get(key)
         if not isinstance(text, str):
-            raise ItemError(f"{loc}.text", "must be a string")
+            raise ItemError(f"{loc}.{key}", "must be a string")
         texts.append(text)
     return "".join(texts)
 
@@ -74,6 +76,34 @@ def _reasoning_of(item: dict[str, Any], where: str) -> str:
         if texts:
             return "\n\n".join(texts)
     return ""
+
+
+def _call_arguments(item: dict[str, Any], where: str) -> str:
+    """A function_call item's `arguments` (a JSON object as a string; empty: none) for the chat message,
+    its fields checked here so that an error names the item rather than the chat message it becomes.
+
+    A call the token limit cut (status 'incomplete') may carry the start of its arguments only, as the stream
+    sent them; the template can only render an object, so such a call goes on with none rather than making
+    every later turn of its conversation fail."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise ItemError(f"{where}.{key}", "must be a string")
+    if not item["name"]:
+        raise ItemError(f"{where}.name", "must not be empty")
+    arguments = item["arguments"]
+    if not arguments.strip():
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        problem = f"not valid JSON ({exc.msg})"
+    else:
+        if isinstance(parsed, dict):
+            return arguments
+        problem = "must be a JSON object"
+    if item.get("status") == "incomplete":
+        return "{}"
+    raise ItemError(f"{where}.arguments", problem)
 
 
 class _Conversation:
@@ -123,13 +153,10 @@ def input_to_messages(items: list[Any], first_index: int = 0) -> list[dict[str, 
                 turn["reasoning_content"] = f"{turn['reasoning_content']}\n\n{text}" if "reasoning_content" in turn \
                     else text
         elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise ItemError(f"{loc}.{key}", "must be a string")
+            arguments = _call_arguments(item, loc)
             turn = conv.assistant(closed_by=())
             turn.setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+                {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ItemError(f"{loc}.call_id", "must be a string")
@@ -142,13 +169,14 @@ def input_to_messages(items: list[Any], first_index: int = 0) -> list[dict[str, 
 
 
 def with_instructions(messages: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """`messages` after the system message `instructions`; a system message the input starts with is appended
-    to it (the template takes one system message, at the start)."""
-    if not instructions:
+    """`messages` after the system message `instructions`. The template takes one system message, at the
+    start, so every system and developer message of the input (agents send several, and some insert one in the
+    middle of a session) is joined to it, one paragraph each, in order, as /v1/messages does with Claude
+    Code's. A conversation that gains one later misses the prefix cache on that turn."""
+    texts = ([instructions] if instructions else []) + [m["content"] for m in messages if m["role"] == "system"]
+    if not texts:
         return messages
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{instructions}\n\n{messages[0]['content']}"}, *messages[1:]]
-    return [{"role": "system", "content": instructions}, *messages]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m["role"] != "system")]
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -201,16 +229,18 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def output_items(message: ChatMessage, *, incomplete: bool = False) -> list[OutputItem]:
-    """Output items of a finished generation: reasoning, then the answer, then the function calls; the
-    answer's status is 'incomplete' when the token limit cut it."""
+    """Output items of a finished generation: reasoning, then the answer, then the function calls. When the
+    token limit cut the generation (`incomplete`), the last item is the one it cut (reasoning that never
+    reached its answer, too), and its status says so, as the stream's does."""
     items: list[OutputItem] = []
     if message.reasoning_content:
         items.append(ReasoningItem(content=[ReasoningText(text=message.reasoning_content)]))
     if message.content:
-        items.append(MessageItem(content=[OutputText(text=message.content)],
-                                 status="incomplete" if incomplete else "completed"))
+        items.append(MessageItem(content=[OutputText(text=message.content)]))
     for call in message.tool_calls:
         items.append(FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments))
+    if incomplete and items:
+        items[-1].status = "incomplete"
     return items
 
 

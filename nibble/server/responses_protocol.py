@@ -3,8 +3,10 @@ its output items (reasoning, message, function_call) as the openai SDK parses th
 
 The request keeps `input`, `tools` and `tool_choice` as plain JSON: responses_items.py checks them item by
 item, so that an error names the item (`input[3].content[0].type`). Fields that would change the result but
-that nibble cannot honour are refused by name; hints that change nothing (service_tier, prompt_cache_key,
-safety_identifier, reasoning.summary) are accepted.
+that nibble cannot honour are refused by name (`conversation`, `prompt`, `background`, `truncation: "auto"`);
+hints that change nothing (service_tier, prompt_cache_key, safety_identifier, reasoning.summary,
+max_tool_calls, which only counts hosted tools) are accepted. `stream` and `store` may be null, as the openai
+SDK types them: null means the default.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nibble.server.protocol import MAX_STOP_STRINGS, no_reserved_template_kwargs
 
@@ -65,6 +67,8 @@ class ResponsesRequest(_Request):
     text: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
+    conversation: Any = None
+    prompt: Any = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -78,6 +82,36 @@ class ResponsesRequest(_Request):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _string_or_items(cls, v: Any) -> Any:
+        # Checked before the union so that the error names `input`, not the union member (`input.str`).
+        if not isinstance(v, (str, list)):
+            raise ValueError("must be a string or a list of input items")
+        return v
+
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return cls.model_fields[info.field_name or ""].default
+        return v
+
+    @field_validator("conversation")
+    @classmethod
+    def _no_conversation(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("conversations are not supported; send the earlier items in input, or continue "
+                             "with previous_response_id")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_prompt_template(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("stored prompt templates are not supported; send instructions and input instead")
+        return v
 
     @field_validator("input")
     @classmethod
@@ -210,7 +244,11 @@ OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):
+    """`cached_tokens`: prompt tokens served from the prefix cache. `cache_write_tokens` (OpenAI's billing of
+    explicit cache writes) is always 0 here, but the openai SDK's type requires it."""
+
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -81,10 +81,11 @@ def output_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, num_top: in
 
 def finish_response(response: ResponseObject, items: list[OutputItem], finish_reason: str | None,
                     usage: ResponseUsage, completed_at: int) -> ResponseObject:
-    """`response` with its output, usage and final status: 'incomplete' when the token limit cut it."""
+    """`response` with its output, usage and final status: 'incomplete' when the token limit cut it
+    (`completed_at` is only set on a completed response, as OpenAI documents it)."""
     incomplete = finish_reason == "length"
     return response.model_copy(update={
-        "output": items, "usage": usage, "completed_at": completed_at,
+        "output": items, "usage": usage, "completed_at": None if incomplete else completed_at,
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None})
 
@@ -136,6 +137,7 @@ class ResponseEventWriter:
         return self.event(kind, item_id=item.id, output_index=self.items.index(item), content_index=0, part=part)
 
     def _close_open(self, status: str = "completed") -> list[str]:
+        """Events closing the open item with `status` ('incomplete' when the token limit cut it)."""
         item, self._open = self._open, None
         if item is None:
             return []
@@ -157,12 +159,10 @@ class ResponseEventWriter:
             events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
                                      content_index=0, text=part.text, logprobs=lps))
             events.append(self._part_event("response.content_part.done", item, part.model_dump(mode="json")))
-            item.status = status  # type: ignore[assignment]
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                      name=item.name, arguments=item.arguments))
-        if not isinstance(item, MessageItem):
-            item.status = "completed"
+        item.status = status  # type: ignore[assignment]
         events.append(self._item_event("response.output_item.done", item))
         return events
 
@@ -221,7 +221,8 @@ class ResponseEventWriter:
         return events, self.response
 
     def fail(self, code: str, message: str) -> str:
-        """response.failed, for an error after the stream started."""
+        """response.failed, for an error after the stream started; `code`: one of OpenAI's response error
+        codes (`server_error` for the server's own failures)."""
         self.response = self.response.model_copy(update={"status": "failed", "output": self.items,
                                                          "error": ResponseError(code=code, message=message)})
         return self._response_event("response.failed")

@@ -71,6 +71,15 @@ def _as_responses_error(err: APIError) -> APIError:
     return APIError(err.status, message, type=err.type, param=name, code=err.code)
 
 
+def _text_config(text: dict[str, Any] | None) -> dict[str, Any]:
+    """The response's `text`: the request's (its verbosity hint included), with the plain-text format when it
+    names none, as OpenAI echoes it."""
+    config = dict(text or {})
+    if config.get("format") is None:
+        config["format"] = {"type": "text"}
+    return config
+
+
 class _Job:
     """What a Responses request became: the chat request, the prompt, the engine streams, the skeleton of the
     response, and the input items to store."""
@@ -158,7 +167,7 @@ class ResponsesServing(ChatServing):
             id=request_id, model=self.served_model_name, instructions=req.instructions,
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             reasoning={"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            text=req.text or {"format": {"type": "text"}}, tools=req.tools or [], tool_choice=req.tool_choice or "auto",
+            text=_text_config(req.text), tools=req.tools or [], tool_choice=req.tool_choice or "auto",
             temperature=params.temperature, top_p=params.top_p, top_logprobs=req.top_logprobs,
             max_output_tokens=req.max_output_tokens, store=req.store and self.store.enabled,
             metadata=req.metadata or {}, user=req.user)
@@ -243,14 +252,16 @@ class ResponsesServing(ChatServing):
                     yield event
                 if out.finished:
                     events, response = writer.finish(c.finish_reason, self._usage(job, out, tokens), int(time.time()))
-                    for event in events:
-                        yield event
+                    # Stored before the last events go out: a client may hang up as soon as it reads
+                    # response.completed, which cancels this generator at its next yield.
                     self._keep(job, response)
                     outcome = c.finish_reason or "-"
+                    for event in events:
+                        yield event
         except Exception as exc:
             outcome = "error"
             err = self.fail(job.response.id, exc, start)
-            yield writer.fail(str(err.code), err.message)
+            yield writer.fail("server_error" if err.status >= 500 else str(err.code), err.message)
         finally:
             job.streams.close()
             if outcome != "error":

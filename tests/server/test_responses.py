@@ -9,11 +9,20 @@ import json
 import httpx
 import openai
 import pytest
+import torch
+from openai._models import construct_type
+from openai._types import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses.response_item_list import ResponseItemList
+from pydantic import TypeAdapter
 
 from nibble.engine.tokenizer import Tokenizer
+from nibble.server.protocol import ChatMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
 from nibble.server.response_store import ResponseStore
-from nibble.server.responses_items import ItemError, input_to_messages, with_instructions
-from nibble.server.responses_protocol import ResponseObject
+from nibble.server.responses_items import ItemError, input_to_messages, output_items, with_instructions
+from nibble.server.responses_protocol import ResponseObject, ResponseUsage
+from nibble.server.responses_stream import ResponseEventWriter
 
 from .conftest import ServerHandle, metric_value, wait_idle
 
@@ -216,6 +225,13 @@ def test_items_of_a_turn_become_one_assistant_message() -> None:
     with pytest.raises(ItemError) as err:
         input_to_messages([{"role": "user", "content": "a"}, {"type": "web_search_call", "id": "x"}])
     assert err.value.param == "input[1].type"
+    # the template takes one system message: the leading ones (agents send several) are joined, as are the
+    # instructions before them; with neither there is none
+    leading = input_to_messages([{"role": "developer", "content": "A."}, {"role": "system", "content": "B."},
+                                 {"role": "user", "content": "Hi"}])
+    assert with_instructions(leading, None)[0] == {"role": "system", "content": "A.\n\nB."}
+    assert with_instructions(leading, "I.")[0] == {"role": "system", "content": "I.\n\nA.\n\nB."}
+    assert with_instructions(leading[2:], None) == [{"role": "user", "content": "Hi"}]
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -239,6 +255,18 @@ def test_items_of_a_turn_become_one_assistant_message() -> None:
     ({"input": "hi", "model": "other"}, "model"),
     ({"input": "hi", "reasoning": {"effort": "none"}, "chat_template_kwargs": {"enable_thinking": True}},
      "reasoning"),
+    ({"input": 5}, "input"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": [{"role": "user", "content": [{"type": "refusal"}]}]}, "input[0].content[0].refusal"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "{oops"}]}, "input[1].arguments"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "[1]"}]}, "input[1].arguments"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "",
+                                                    "arguments": "{}"}]}, "input[1].name"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c",
+                                                    "output": {"temp": 21}}]}, "input[1].output"),
 ])
 def test_bad_requests_name_the_field(http: httpx.Client, body: dict, param: str) -> None:
     r = http.post("/v1/responses", json=body)
@@ -278,3 +306,148 @@ def test_sdk_stream_helper_accumulates_the_same_response(client: openai.OpenAI, 
     out = client.responses.create(model=server.model, **kwargs)
     assert "".join(texts) == final.output_text == out.output_text and json.loads(out.output_text)["sky"]
     assert [(o.type, o.status) for o in final.output] == [(o.type, o.status) for o in out.output]
+    assert out.status == "completed" and out.completed_at is not None
+
+
+def _sse_events(http: httpx.Client, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Weather?"}],
+     "max_output_tokens": 12, "text": {"verbosity": "low"}},
+    {"input": "Weather in Rome?", "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 200,
+     "reasoning": {"effort": "none"}, "include": ["message.output_text.logprobs"], "top_logprobs": 2},
+])
+def test_sdk_types_validate_strictly(http: httpx.Client, body: dict) -> None:
+    """The openai SDK builds its objects without validation; validated, its types are what OpenAI always
+    sends: the response (usage's cache_write_tokens, text.format), every stream event, and input_items (text
+    parts, not strings)."""
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    out = Response.model_validate(r.json())
+    assert out.usage.input_tokens_details.cache_write_tokens == 0
+    assert out.text.format.type == "text" and out.text.verbosity == (body.get("text") or {}).get("verbosity")
+    items = ResponseItemList.model_validate(http.get(f"/v1/responses/{out.id}/input_items?order=asc").json())
+    if isinstance(body["input"], list):
+        assert [i.content[0].text for i in items.data] == [m["content"] for m in body["input"]]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(e) for e in _sse_events(http, body)]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+
+
+def test_the_item_the_limit_cuts_is_incomplete(client: openai.OpenAI, server: ServerHandle) -> None:
+    """Cut in its reasoning, the response is one incomplete reasoning item, streamed or not (with no
+    completed_at: it did not complete)."""
+    kwargs = {"input": "Name a colour.", "max_output_tokens": 6}
+    out = respond(client, server, **kwargs)
+    assert out.status == "incomplete" and out.completed_at is None
+    assert [(o.type, o.status) for o in out.output] == [("reasoning", "incomplete")]
+    events, final = _events(respond(client, server, stream=True, **kwargs))
+    assert [(o.type, o.status) for o in final.output] == [("reasoning", "incomplete")]
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+
+
+def test_a_cut_function_call_is_incomplete() -> None:
+    """A function call the limit cut is streamed as an incomplete item, and the openai SDK's stream state
+    accumulates it so; a finished one before it stays completed. Sent back, its partial arguments are dropped
+    rather than failing the conversation. The non-streaming items mark their last."""
+    def call(index: int, arguments: str, new: bool) -> DeltaMessage:
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=index, id=f"call_{index}" if new else None,
+                                                      function=DeltaFunctionCall(name="f" if new else None,
+                                                                                 arguments=arguments))])
+
+    writer = ResponseEventWriter(ResponseObject(model="m"))
+    events = writer.start()
+    for delta in (call(0, "", True), call(0, '{"a": 1}', False), call(1, "", True), call(1, '{"a": ', False)):
+        events += writer.feed(delta, None)
+    done, _ = writer.finish("length", ResponseUsage(input_tokens=3, output_tokens=9, total_tokens=12), 0)
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in [*events, *done]:
+        fired = state.handle_event(construct_type(type_=ResponseStreamEvent,
+                                                  value=json.loads(event.split("data: ", 1)[1])))
+    (incomplete,) = fired
+    assert incomplete.type == "response.incomplete"
+    assert [(o.arguments, o.status) for o in incomplete.response.output] == [('{"a": 1}', "completed"),
+                                                                              ('{"a": ', "incomplete")]
+    # continued (previous_response_id, or sent back), the cut call goes on without its partial arguments
+    cut = incomplete.response.output[1].model_dump(exclude_none=True)
+    messages = input_to_messages([{"role": "user", "content": "Go"}, cut])
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    with pytest.raises(ItemError) as err:
+        input_to_messages([{"role": "user", "content": "Go"}, {**cut, "status": "completed"}])
+    assert err.value.param == "input[1].arguments"
+    message = ChatMessage(content="Calling.", tool_calls=[
+        ToolCall(id="call_0", function=FunctionCall(name="f", arguments='{"a": 1}'))])
+    assert [i.status for i in output_items(message, incomplete=True)] == ["completed", "incomplete"]
+    assert [i.status for i in output_items(message)] == ["completed", "completed"]
+
+
+def test_null_stream_and_store_mean_the_defaults(http: httpx.Client) -> None:
+    """The openai SDK types stream and store as optional; null is the default (not streamed, stored)."""
+    r = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4, "stream": None, "store": None})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["store"] is True and http.get(f"/v1/responses/{r.json()['id']}").status_code == 200
+
+
+def test_leading_system_messages_join_the_instructions(client: openai.OpenAI, server: ServerHandle,
+                                                       tokenizer: Tokenizer) -> None:
+    """Agents start their input with several developer / system messages; the template takes one: the
+    prompt is the chat template's for the instructions and those messages joined, and so is the answer."""
+    out = respond(client, server, instructions="Be brief.", max_output_tokens=12, input=[
+        {"role": "developer", "content": "Rules."}, {"role": "system", "content": [{"type": "input_text",
+                                                                                    "text": "More."}]},
+        {"role": "user", "content": "Hi"}])
+    messages = [{"role": "system", "content": "Be brief.\n\nRules.\n\nMore."}, {"role": "user", "content": "Hi"}]
+    assert out.usage.input_tokens == prompt_len(tokenizer, messages)
+    chat = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+    assert out.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
+    # a developer message in the middle of a session joins the system message too
+    later = respond(client, server, instructions="Be brief.", max_output_tokens=4, input=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+        {"role": "developer", "content": "Rules."}, {"role": "user", "content": "Again"}])
+    moved = [{"role": "system", "content": "Be brief.\n\nRules."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    assert later.usage.input_tokens == prompt_len(tokenizer, moved)
+
+
+def test_stored_even_when_the_client_leaves_at_completed(http: httpx.Client, server: ServerHandle) -> None:
+    """A client may hang up as soon as it reads response.completed; the response is stored by then, so a
+    follow-up can continue it."""
+    body = {"input": "Hi", "max_output_tokens": 4, "stream": True}
+    rid = None
+    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/responses", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.incomplete":
+                rid = json.loads(line[6:])["response"]["id"]
+                break
+    assert rid is not None and http.get(f"/v1/responses/{rid}").json()["status"] == "incomplete"
+
+
+def test_failure_mid_stream_is_response_failed(http: httpx.Client, server: ServerHandle) -> None:
+    """An engine failure after the stream started ends it with response.failed, its error code one of
+    OpenAI's (server_error), and nothing stored."""
+    runner = server.engine.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute(sched, inflight_tokens=None):  # type: ignore[no-untyped-def]
+        logits, rows = real_execute(sched, inflight_tokens)
+        calls["n"] += 1
+        if logits is not None and calls["n"] == 3:
+            logits = torch.full_like(logits, float("nan"))
+        return logits, rows
+
+    runner.execute = execute
+    try:
+        events = _sse_events(http, {"input": "Hi", "max_output_tokens": 20, "ignore_eos": True})
+    finally:
+        runner.execute = real_execute
+    failed = Response.model_validate(events[-1]["response"])
+    assert events[-1]["type"] == "response.failed" and failed.status == "failed"
+    assert failed.error.code == "server_error" and "non-finite" in failed.error.message
+    assert http.get(f"/v1/responses/{failed.id}").status_code == 404
