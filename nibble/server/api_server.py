@@ -2,7 +2,8 @@
 
 `build_app(engine)` wires an already-built `AsyncEngine` into an app; `nibble.server.launch` builds the
 engine from the command line and runs the app under uvicorn. Every error leaves as an OpenAI-style body
-(`{"error": {"message", "type", "param", "code"}}`) with a 4xx/5xx status, never as a traceback.
+(`{"error": {"message", "type", "param", "code"}}`) with a 4xx/5xx status, never as a traceback; those of
+Anthropic's /v1/messages routes in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nibble import __version__
 from nibble.engine.async_engine import AsyncEngine
 from nibble.server.errors import APIError
+from nibble.server.messages_protocol import AnthropicError
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import ModelCard, ModelList
 from nibble.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from nibble.server.serving_base import engine_core, json_response, read_json_body
 from nibble.server.serving_chat import ChatServing
 from nibble.server.serving_completions import CompletionServing
+from nibble.server.serving_messages import MessagesServing
 from nibble.server.serving_responses import ResponsesServing
 from nibble.server.serving_tokenize import TokenizeServing
 
@@ -58,13 +61,33 @@ def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]
     return check
 
 
+def _messages_auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The API key check of /v1/messages*: Anthropic clients send `x-api-key: <key>` (Claude Code with
+    ANTHROPIC_AUTH_TOKEN sends `Authorization: Bearer <key>`); either one will do. Errors in Anthropic's shape."""
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = [request.headers.get("x-api-key", "").strip()]
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            given.append(token.strip())
+        if not any(key and secrets.compare_digest(key.encode(), expected) for key in given):
+            raise AnthropicError(401, "missing or invalid API key: send 'x-api-key: <key>' or "
+                                      "'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    return check
+
+
 def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
               owns_engine: bool = False, cors: dict[str, Any] | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
-    metrics and version stay open). `served_model_name`: the name clients use (default: the engine's).
+    metrics and version stay open); /v1/messages* also take Anthropic's `x-api-key: <api_key>`.
+    `served_model_name`: the name clients use (default: the engine's).
     `owns_engine`: shut the engine down when the app stops. `cors`: CORSMiddleware settings (allow_origins,
     allow_methods, allow_headers, allow_credentials), so that browser pages on other origins can call the API;
     None adds no CORS headers. `max_stored_responses`: finished /v1/responses responses kept in memory for
@@ -78,6 +101,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     chat = ChatServing(engine, served, accepted, metrics)
     tokens = TokenizeServing(engine, served, accepted, metrics)
     responses = ResponsesServing(engine, served, accepted, metrics, store=ResponseStore(max_stored_responses))
+    messages = MessagesServing(engine, served, accepted, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +118,11 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
     auth = [Depends(_auth_dependency(api_key))]
+    messages_auth = [Depends(_messages_auth_dependency(api_key))]
+
+    def error_class(request: Request) -> type[APIError]:
+        # Anthropic's clients read Anthropic's error shape; every other route answers with OpenAI's.
+        return AnthropicError if request.url.path.startswith("/v1/messages") else APIError
 
     def error_json(err: APIError) -> JSONResponse:
         metrics.observe_error(err.status)
@@ -109,7 +138,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}"
-        return error_json(APIError(exc.status_code, detail))
+        return error_json(error_class(request)(exc.status_code, detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -118,7 +147,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_json(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+        return error_json(error_class(request)(500, f"internal server error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -172,6 +201,14 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
                                after: str | None = None) -> Response:
         return responses.input_items(response_id, limit, order, after)
+
+    @app.post("/v1/messages", dependencies=messages_auth)
+    async def create_message(request: Request) -> Response:
+        return await messages.create(await messages.read_body(request), request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=messages_auth)
+    async def count_message_tokens(request: Request) -> Response:
+        return await messages.count_tokens(await messages.read_body(request), request)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
