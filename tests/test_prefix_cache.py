@@ -351,3 +351,32 @@ def test_a_failed_step_leaves_nothing_in_the_cache(monkeypatch: pytest.MonkeyPat
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [t.logprob for t in a.outputs[0].logprobs or []] == \
             pytest.approx([t.logprob for t in b.outputs[0].logprobs or []], abs=1e-5)
+
+
+def test_cache_salt_keeps_tenants_apart(uncached: list[list[int]]) -> None:
+    """Requests share cached prefixes (cut ones and ended requests' whole texts) only with requests of the same
+    cache_salt; outputs stay those of the engine without caching."""
+    llm = LLM(device="cpu", max_model_len=512)
+    prompts = _prompts()
+
+    def run(i: int, salt: str | None):
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, cache_salt=salt)
+        out = llm.generate([prompts[i]], params)[0]
+        assert out.outputs[0].token_ids == uncached[i]
+        return out.num_cached_tokens
+
+    boundary = SHARED // BLOCK * BLOCK
+    assert [run(0, "a"), run(1, "a"), run(2, "a")] == [0, 0, boundary]
+    # the exact repeat of prompt 0 starts from a's cut prefix, but not under another salt or none
+    assert run(5, "b") == 0 and run(5, None) == 0
+    # b's second request with the shared prefix cuts it, as a's did; b's third starts from there
+    assert [run(3, "b"), run(4, "b")] == [0, boundary]
+    assert run(5, "a") == boundary
+    # an agent's next turn starts from its ended request's whole text, under its salt only
+    turn = prompts[5] + uncached[5] + [7, 8, 9]
+    for salt, cached in (("c", 0), ("a", len(turn) - 4)):
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, cache_salt=salt)
+        assert llm.generate([turn], params)[0].num_cached_tokens == cached
+    assert llm.engine.blocks.all_free()
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -143,7 +143,8 @@ class BlockManager:
             return None
         if request.sampling_params.prompt_logprobs is not None:
             return None  # the log-probabilities of the cached positions were never computed
-        entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids)
+        entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids,
+                                  root=request.digest_root)
         if entry is not None:
             entry.round = self.round
         return entry
@@ -191,7 +192,7 @@ class BlockManager:
         if request.awaits_cut_at is not None and request.awaits_cut_at[0] == self.prefix.version:
             return request.awaits_cut_at[1]
         digests = request.block_digests(self.block_size)
-        entry = self.prefix.match(digests, request.prompt_token_ids, touch=False)
+        entry = self.prefix.match(digests, request.prompt_token_ids, touch=False, root=request.digest_root)
         awaits = self.prefix.awaits_split(digests, request.num_prompt_tokens, entry.num_tokens if entry else 0)
         request.awaits_cut_at = (self.prefix.version, awaits)
         return awaits
@@ -235,9 +236,9 @@ class BlockManager:
         token_ids = request.prompt_token_ids + request.output_token_ids
         depth = num_tokens // self.block_size
         digests = block_digests(token_ids[:depth * self.block_size], self.block_size,
-                                known=request.block_digests(self.block_size))
-        entry = PrefixEntry(digests[-1] if digests else b"", num_tokens, [], request.state_slot, self.round,
-                            tail=tuple(token_ids[depth * self.block_size:num_tokens]), finished=True)
+                                known=request.block_digests(self.block_size), root=request.digest_root)
+        entry = PrefixEntry(digests[-1] if digests else request.digest_root, num_tokens, [], request.state_slot,
+                            self.round, tail=tuple(token_ids[depth * self.block_size:num_tokens]), finished=True)
         if entry.key in self.prefix.entries:
             return
         held = -(-num_tokens // self.block_size)

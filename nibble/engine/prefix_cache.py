@@ -43,15 +43,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+def salt_root(cache_salt: str | None) -> bytes:
+    """The digest a request's chain starts from: b"" without a salt, else the salt's own digest, so that no
+    entry of one salt (not even one shorter than a block) matches a request of another."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16, person=b"nibble-salt").digest()
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = (),
+                  root: bytes = b"") -> list[bytes]:
     """Chain digests of the full blocks: entry i identifies token_ids[:(i + 1) * block_size] (each block's
-    tokens hashed together with the digest of the blocks before it). known: the digests of the first
-    blocks, already computed (e.g. the prompt's), which the chain continues from."""
+    tokens hashed together with the digest of the blocks before it, the first with `root`, see `salt_root`).
+    known: the digests of the first blocks, already computed (e.g. the prompt's), which the chain continues
+    from."""
     out = list(known[:len(token_ids) // block_size])
     start = len(out) * block_size
     data = array("q", token_ids[start:len(token_ids) // block_size * block_size]).tobytes()
     step = 8 * block_size
-    parent = out[-1] if out else b""
+    parent = out[-1] if out else root
     for i in range(len(data) // step):
         parent = hashlib.blake2b(data[i * step:(i + 1) * step], digest_size=16, key=parent).digest()
         out.append(parent)
@@ -65,8 +75,8 @@ MIN_SPLIT_TOKENS = 256  # also the fewest tokens an ended request must have comp
 class PrefixEntry:
     """A cached prefix: its first num_tokens tokens have their KV in `block_ids` (the full blocks, then the
     partial one holding `tail`, the tokens past the last full block) and their GDN state in `state_slot`.
-    digest: the chain digest of its full blocks (b"" for none); finished: left by an ended request and not
-    used yet (evicted first); round: the scheduling round that last created or used it."""
+    digest: the chain digest of its full blocks (its root, `salt_root`, for none); finished: left by an ended
+    request and not used yet (evicted first); round: the scheduling round that last created or used it."""
 
     digest: bytes
     num_tokens: int
@@ -104,13 +114,14 @@ class PrefixIndex:
     def has_aligned(self, digest: bytes) -> bool:
         return (digest, ()) in self.entries
 
-    def match(self, digests: list[bytes], token_ids: Sequence[int], touch: bool = True) -> PrefixEntry | None:
-        """The longest entry whose tokens begin `token_ids` (digests: their `block_digests`) and leave at
-        least one of them to compute; marked most recently used unless touch is False."""
+    def match(self, digests: list[bytes], token_ids: Sequence[int], touch: bool = True,
+              root: bytes = b"") -> PrefixEntry | None:
+        """The longest entry whose tokens begin `token_ids` (digests: their `block_digests` from `root`) and
+        leave at least one of them to compute; marked most recently used unless touch is False."""
         n = len(token_ids)
         bs = self.block_size
         for depth in range(min(len(digests), (n - 1) // bs), -1, -1):
-            digest = digests[depth - 1] if depth else b""
+            digest = digests[depth - 1] if depth else root
             if digest not in self.digests:
                 continue  # most depths: one lookup (a long prompt is matched every round while it waits)
             start = depth * bs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nibble.engine.prefix_cache import block_digests
+from nibble.engine.prefix_cache import block_digests, salt_root
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
 
@@ -111,8 +111,13 @@ class Request:
     def block_digests(self, block_size: int) -> list[bytes]:
         """Chain digests of the prompt's full blocks (prefix_cache.block_digests), computed once."""
         if self._block_digests is None:
-            self._block_digests = block_digests(self.prompt_token_ids, block_size)
+            self._block_digests = block_digests(self.prompt_token_ids, block_size, root=self.digest_root)
         return self._block_digests
+
+    @property
+    def digest_root(self) -> bytes:
+        """Where the request's digest chain starts (prefix_cache.salt_root of its cache_salt)."""
+        return salt_root(self.sampling_params.cache_salt)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

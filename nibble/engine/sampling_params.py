@@ -29,6 +29,8 @@ class SamplingParams:
     bans a token, +100 all but forces it).
     structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar;
     structured_output.py). The grammar decides where the output ends, so min_tokens must stay 0.
+    cache_salt: requests share prefix-cache entries only with requests of the same salt (vLLM's field: one
+    salt per tenant keeps tenants from learning, through the time to first token, what others sent).
     """
 
     n: int = 1
@@ -51,6 +53,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +80,8 @@ class SamplingParams:
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", "must be >= 1")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
+              "must be a non-empty string")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)

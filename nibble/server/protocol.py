@@ -94,6 +94,8 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    # vLLM: prefix-cache entries are shared only among requests with the same salt (one per tenant)
+    cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
     # structured outputs, three spellings: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (structured_spec)

@@ -294,7 +294,7 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids,
-                structured_outputs=structured)
+                structured_outputs=structured, cache_salt=req.cache_salt)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
 

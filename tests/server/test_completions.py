@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -286,3 +287,20 @@ def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client: openai
     assert details[1].cached_tokens == 0
     assert 0 < details[2].cached_tokens <= common and details[2].cached_tokens % block == 0
     assert details[2].cached_tokens > common - 2 * block
+
+
+def test_cache_salt_separates_prefix_cache_users(client: openai.OpenAI, server: ServerHandle) -> None:
+    """vLLM's cache_salt: a prompt prefix cached for one salt is no hit for another (or for none)."""
+    shared = "Tenant notes: the quick brown fox jumps over the lazy dog. " * 30
+    prompts = [shared + tail for tail in ("One.", "Two.", "Three.", "Four.")]
+
+    def cached(prompt: str, salt: str | None) -> int:
+        out = complete(client, server, prompt, max_tokens=2, **GREEDY,
+                       extra_body={"cache_salt": salt} if salt else {})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(prompts[0], "t1"), cached(prompts[1], "t1")] == [0, 0]
+    assert cached(prompts[2], "t1") > 0
+    assert cached(prompts[3], "t2") == 0 and cached(prompts[3], None) == 0
+    r = httpx.post(server.api + "/completions", json={"prompt": "x", "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
