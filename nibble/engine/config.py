@@ -18,6 +18,8 @@ SPECULATIVE_METHODS = ("mtp",)
 # vLLM's names for the same drafter (Qwen3-Next / Qwen3.5 MTP head)
 _METHOD_ALIASES = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 MAX_SPECULATIVE_TOKENS = 8
+# vLLM's --scheduling-policy values: arrival order, or each request's `priority` (lower first) then arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
@@ -83,6 +85,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     max_waiting_requests: int = 4096
+    scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     prefix_cache_slots: int = 16
     speculative_method: str = "mtp"
@@ -119,6 +122,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens > self.num_speculative_tokens,
               f"--max-num-batched-tokens must exceed --num-speculative-tokens ({self.num_speculative_tokens}): a "
               f"verify step feeds each sequence {self.num_speculative_tokens + 1} tokens")
+        check(self.scheduling_policy in SCHEDULING_POLICIES,
+              f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got '{self.scheduling_policy}'")
         check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got '{self.device}'")

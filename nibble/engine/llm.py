@@ -44,9 +44,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list: text, token-id lists, or {"prompt": ...}/{"prompt_token_ids": ...}.
-        Without sampling_params, `get_default_sampling_params()`. Returns one RequestOutput per prompt, in order."""
+        Without sampling_params, `get_default_sampling_params()`. priority: one per prompt, as vLLM's (needs
+        scheduling_policy="priority" unless all 0; replaces the SamplingParams' own). Returns one RequestOutput
+        per prompt, in order."""
         items = self._normalize(prompts)
         if isinstance(sampling_params, Sequence):
             params = list(sampling_params)
@@ -54,11 +56,16 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
         else:
             params = [sampling_params or self.get_default_sampling_params() for _ in items]
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
         ids = []
-        for p, sp in zip(items, params):
+        for i, (p, sp) in enumerate(zip(items, params)):
             self._counter += 1
             rid = f"offline-{self._counter}"
-            self.engine.add_request(rid, p, _copy(sp))
+            copy = _copy(sp)
+            if priority is not None:
+                copy.priority = priority[i]
+            self.engine.add_request(rid, p, copy)
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)

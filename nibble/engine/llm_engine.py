@@ -41,7 +41,7 @@ from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
-from nibble.engine.sampling_params import SamplingParams
+from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
 from nibble.engine.spec_sampler import needs_full_sampler
 from nibble.engine.structured_output import GrammarBackend, StructuredOutputError
@@ -153,7 +153,7 @@ class LLMEngine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   num_spec_tokens=self.num_spec_tokens)
+                                   num_spec_tokens=self.num_spec_tokens, policy=config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._generator = torch.Generator(device=self.device)
@@ -236,6 +236,7 @@ class LLMEngine:
         """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input."""
         params = params or SamplingParams()
         params.validate()
+        self.check_priority(params)
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")
         prompt_text = None
@@ -292,6 +293,13 @@ class LLMEngine:
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
+
+    def check_priority(self, params: SamplingParams) -> None:
+        """Refuse a request priority other than 0 unless the engine schedules by priority, as vLLM does: under
+        fcfs it would be silently ignored. Raises SamplingParamsError (its message starts with the field name)."""
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise SamplingParamsError(f"priority must be 0 unless the engine runs with --scheduling-policy priority "
+                                      f"(this one schedules first come, first served), got {params.priority}")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its caches; returns its final output (None if unknown/finished)."""

@@ -31,6 +31,9 @@ class SamplingParams:
     structured_output.py). The grammar decides where the output ends, so min_tokens must stay 0.
     cache_salt: requests share prefix-cache entries only with requests of the same salt (vLLM's field: one
     salt per tenant keeps tenants from learning, through the time to first token, what others sent).
+    priority: vLLM's request priority under `--scheduling-policy priority` (lower values are served first, ties
+    by arrival; the engine refuses anything but 0 under fcfs). vLLM takes it beside the sampling parameters;
+    here it travels with them, so that every endpoint's way into the engine carries it.
     """
 
     n: int = 1
@@ -54,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +92,7 @@ class SamplingParams:
                                                and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs", "must be in [0, 20]")
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(isinstance(self.priority, int) and not isinstance(self.priority, bool), "priority", "must be an integer")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # not via check(): its message would print the list

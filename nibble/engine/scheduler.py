@@ -6,6 +6,15 @@ queue (FIFO) as long as sequences, state slots, blocks and budget allow. When th
 running request, the most recently arrived running request is preempted: its caches are freed and it goes
 back to the front of the waiting queue, to be recomputed later (its generated tokens are kept).
 
+Priority scheduling (`--scheduling-policy priority`, as vLLM's v1 scheduler): the waiting queue is kept in
+(priority, arrival) order, lower values first, and a preempted request goes back to its place in that order
+rather than to the front. The preemption victim is the running request that comes last in that order, even
+one already given tokens this round (it gives them back), and possibly the very request that needs the
+blocks; a round that preempts admits no waiting request, so that what the preemption freed goes to the
+running requests it was for. As in vLLM, a waiting request never preempts a running one: priority decides
+who is admitted next and who is preempted when a running request needs blocks, not who runs once a batch is
+full (max_num_seqs) or the cache is short for a new request (vLLM issue #40004).
+
 With prefix caching (prefix_cache.py) a new request starts from the longest cached prefix of its prompt:
 its state slot is filled by a copy instead of being zeroed, and its prefill starts after the prefix. A
 prompt that shares blocks with an earlier prompt has its prefill cut at the end of the shared part, and
@@ -20,10 +29,12 @@ verified tokens and the MTP head's KV writes for the next drafts.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from nibble.engine.block_manager import BlockManager
+from nibble.engine.config import SCHEDULING_POLICIES
 from nibble.engine.request import Request, RequestStatus
 
 
@@ -51,10 +62,21 @@ class ScheduledBatch:
         return not self.requests
 
 
+def priority_key(req: Request) -> tuple[int, float]:
+    """Where a request stands under priority scheduling: lower priority values first, then earlier arrivals."""
+    return req.sampling_params.priority, req.arrival_time
+
+
 class Scheduler:
+    """The waiting queue and the running requests, and the choice of what each step runs. policy: "fcfs"
+    (arrival order) or "priority" (`priority_key` order, see the module docstring)."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_spec_tokens: int = 0) -> None:
+                 num_spec_tokens: int = 0, policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.blocks = block_manager
+        self.by_priority = policy == "priority"
         self.num_spec_tokens = num_spec_tokens
         self._last_verify = False
         self._pending_state_copies: list[tuple[int, int]] = []
@@ -71,7 +93,15 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def _enqueue_by_priority(self, request: Request) -> None:
+        # after the requests that tie with it, so that equal keys keep the order they came in
+        i = bisect.bisect_right(self.waiting, priority_key(request), key=priority_key)
+        self.waiting.insert(i, request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark a request finished (or aborted) and free its caches, wherever it is; tokens of steps still
@@ -92,7 +122,17 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            self._enqueue_by_priority(victim)
+        else:
+            self.waiting.appendleft(victim)
+
+    def _victim(self, scheduled: set[str]) -> Request | None:
+        """The running request to preempt for blocks: the last in priority order (scheduled this round or
+        not), else the most recent arrival not yet scheduled this round."""
+        if self.by_priority:
+            return max(self.running, key=priority_key, default=None)
+        return next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens to feed this step: up to the budget, and not past the request's cache split point."""
@@ -229,9 +269,14 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self.blocks.can_allocate(req, n_alloc):
-                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+                victim = self._victim(scheduled)
                 if victim is None:
                     break
+                if victim.request_id in scheduled:  # priority: an earlier pick of this round gives its tokens back
+                    i = out.requests.index(victim)
+                    del out.requests[i]
+                    budget += out.num_new_tokens.pop(i)
+                    scheduled.discard(victim.request_id)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is req:
@@ -243,8 +288,10 @@ class Scheduler:
             out.num_new_tokens.append(n)
             scheduled.add(req.request_id)
             budget -= n
+        # Under priority scheduling (as in vLLM) blocks freed by a preemption are for the running requests.
+        admit = not verify and not (self.by_priority and out.num_preempted)
         i = 0
-        while not verify and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             if self.blocks.awaits_cut(req):
                 i += 1  # starts from the cached prefix once the request being cut there gets that far

@@ -36,7 +36,7 @@ _ENGINE_FIELDS = (
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
-    "prefix_cache_slots", "num_speculative_tokens",
+    "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy",
 )
 
 
@@ -114,6 +114,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: 8192)")
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="queue length beyond which new requests get HTTP 503 (default: 4096)")
+    engine.add_argument("--scheduling-policy", default=None, choices=("fcfs", "priority"),
+                        help="order of admission and of preemption, as vLLM's flag: fcfs (arrival; the default) or "
+                             "priority (each request's `priority` field, lower first, then arrival)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of GPU memory nibble may use, caches included (default: 0.9)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None,

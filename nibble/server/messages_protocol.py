@@ -106,7 +106,7 @@ class CountTokensRequest(_Request):
 
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages. Besides Anthropic's fields, the sampling extras nibble's other endpoints take
-    (min_p, penalties, seed, ignore_eos) are accepted."""
+    (min_p, penalties, seed, ignore_eos, cache_salt, priority) are accepted."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -121,6 +121,8 @@ class MessagesRequest(CountTokensRequest):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0
 
     @field_validator("stop_sequences")
     @classmethod

@@ -289,14 +289,16 @@ class OpenAIServing:
         if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
             raise bad_request(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {req.seed}", param="seed")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 **values, seed=req.seed, stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids,
-                structured_outputs=structured, cache_salt=req.cache_salt)
+                structured_outputs=structured, cache_salt=req.cache_salt, priority=req.priority)
+            self.core.check_priority(params)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
+        return params
 
     @staticmethod
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -73,7 +73,7 @@ MESSAGES_UNSUPPORTED_FIELDS = {
 
 # Sampling fields passed on to the chat request as they are: Anthropic's, then nibble's extras.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "ignore_eos", "cache_salt")
+                    "frequency_penalty", "seed", "ignore_eos", "cache_salt", "priority")
 
 
 def stop_reason_of(out: CompletionOutput, has_tool_calls: bool, max_tokens: int) -> tuple[StopReason | None,

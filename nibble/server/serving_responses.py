@@ -121,7 +121,8 @@ class ResponsesServing(ChatServing):
             "chat_template_kwargs": req.chat_template_kwargs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "seed", "stop", "ignore_eos", "enable_thinking", "cache_salt"):
+                     "frequency_penalty", "seed", "stop", "ignore_eos", "enable_thinking", "cache_salt",
+                     "priority"):
             if body.get(name) is not None:
                 chat[name] = body[name]
         return {k: v for k, v in chat.items() if v is not None}

@@ -78,6 +78,21 @@ def test_engine_tp2_matches_single_process(expert_parallel: bool, checkpoints: d
         assert [p.returncode for p in workers.procs] == [0]
 
 
+def test_priority_scheduling_tp2_matches_single_process(checkpoints: dict[str, Path],
+                                                       expected: list[list[int]]) -> None:
+    """Priority scheduling decides on rank 0 alone: with a cache small enough to preempt, rank 1 follows the
+    other order and the generations are unchanged."""
+    llm = LLM(model=str(checkpoints["fp32"]), tensor_parallel_size=2, scheduling_policy="priority",
+              extra={"num_kv_blocks": 18}, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outs = llm.generate(_prompts(llm.engine.model_config.vocab_size), params, priority=[2, 0, 1, 0, 3])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.num_preemptions > 0 and llm.engine.blocks.all_free()
+    finally:
+        llm.engine.shutdown()
+
+
 def test_speculative_decoding_tp2_matches_single_process(checkpoints: dict[str, Path],
                                                          expected: list[list[int]]) -> None:
     """MTP speculative decoding under tensor parallelism: rank 1 follows every prefill and verify step, receives

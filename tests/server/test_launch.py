@@ -37,7 +37,7 @@ def test_flags_map_to_engine_config() -> None:
                  "--moe-backend", "triton", "--attention-backend", "torch", "--linear-backend", "triton",
                  "--max-waiting-requests", "10", "--kv-cache-memory-gb", "2", "--log-level", "DEBUG",
                  "--no-async-scheduling", "--no-warmup", "--generation-config", "vllm",
-                 "--override-generation-config", '{"temperature": 0.3}')
+                 "--override-generation-config", '{"temperature": 0.3}', "--scheduling-policy", "priority")
     config = EngineConfig(**engine_config_kwargs(args))
     expected = {"model": "/m", "tokenizer": "/t", "served_model_name": "qwen", "device": "cpu", "dtype": "bfloat16",
                 "kv_cache_dtype": "fp8_e4m3", "load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 32,
@@ -45,7 +45,7 @@ def test_flags_map_to_engine_config() -> None:
                 "enforce_eager": True, "seed": 7, "moe_backend": "triton", "attention_backend": "torch",
                 "linear_backend": "triton", "max_waiting_requests": 10, "kv_cache_memory_gb": 2.0,
                 "async_scheduling": False, "warmup": False, "generation_config": "vllm",
-                "override_generation_config": {"temperature": 0.3}}
+                "override_generation_config": {"temperature": 0.3}, "scheduling_policy": "priority"}
     assert {k: getattr(config, k) for k in expected} == expected
     assert args.log_level == "debug"
 
@@ -57,9 +57,11 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        parse("--kv-cache-dtype", "int4")
-    assert info.value.code == 2
+    for bad in (["--kv-cache-dtype", "int4"], ["--scheduling-policy", "lifo"]):
+        with pytest.raises(SystemExit) as info:
+            parse(*bad)
+        assert info.value.code == 2
+    assert "'fcfs', 'priority'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         parse("--override-generation-config", "[1]")
     assert info.value.code == 2 and "takes a JSON object" in capsys.readouterr().err

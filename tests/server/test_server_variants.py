@@ -1,5 +1,5 @@
 """Servers with other settings than the shared one: API key, a tiny queue (503), injected engine faults
-(500 / error events) and a stopped engine (/health 503)."""
+(500 / error events), a stopped engine (/health 503), speculative decoding and priority scheduling."""
 
 from __future__ import annotations
 
@@ -191,3 +191,52 @@ def test_speculative_decoding_server_matches_plain(engine: AsyncEngine, server: 
     finally:
         handle.stop()
         spec_engine.shutdown()
+
+
+def test_priority_reaches_the_engine(model_kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --scheduling-policy priority every generating endpoint hands the request's `priority` to the engine
+    (each choice of n keeps it); a value that is not an integer is a 400 naming the field."""
+    eng = make_engine(model_kwargs, scheduling_policy="priority")
+    seen: list[int] = []
+    real = eng.engine.add_request
+
+    def spy(request_id: str, prompt: Any, params: Any = None) -> Any:
+        seen.append(params.priority)
+        return real(request_id, prompt, params)
+
+    monkeypatch.setattr(eng.engine, "add_request", spy)
+    handle = start_server(eng)
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        with httpx.Client(base_url=handle.url, timeout=60, headers={"anthropic-version": "2023-06-01"}) as http:
+            for path, body, expected in (
+                    ("/v1/completions", {**PROMPT, "priority": -3, "n": 2}, [-3, -3]),
+                    ("/v1/chat/completions", {"messages": user, "max_tokens": 2, "priority": 7}, [7]),
+                    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "priority": 2}, [2]),
+                    ("/v1/messages", {"model": handle.model, "messages": user, "max_tokens": 2, "priority": 4}, [4]),
+                    ("/v1/completions", PROMPT, [0])):
+                seen.clear()
+                r = http.post(path, json=body)
+                assert r.status_code == 200, (path, r.text)
+                assert seen == expected, path
+            r = http.post("/v1/completions", json={**PROMPT, "priority": "high"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    finally:
+        handle.stop()
+        eng.shutdown()
+
+
+def test_priority_under_fcfs_is_a_400(server: ServerHandle) -> None:
+    """As vLLM: the default policy (fcfs) refuses a priority other than 0 rather than ignoring it."""
+    user = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=server.url, timeout=60, headers={"anthropic-version": "2023-06-01"}) as http:
+        for path, body in (("/v1/completions", PROMPT), ("/v1/chat/completions", {"messages": user, "max_tokens": 2}),
+                           ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                           ("/v1/messages", {"model": server.model, "messages": user, "max_tokens": 2})):
+            r = http.post(path, json={**body, "priority": 1})
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert "priority" in error["message"] and "--scheduling-policy priority" in error["message"], path
+            if path != "/v1/messages":  # Anthropic's errors have no param
+                assert error["param"] == "priority", path
+            assert http.post(path, json={**body, "priority": 0}).status_code == 200, path
