@@ -150,6 +150,16 @@ def test_continue_final_message_matches_transformers(hf_tokenizer, tok, prefill,
     assert got == want and not got.endswith("<|im_end|>\n")
 
 
+def test_continue_final_message_cuts_in_the_final_message(tok) -> None:
+    """The prefill's untrimmed text also occurs earlier (in the system prompt): the cut is still after the final
+    message's content, where transformers' search of the whole prompt would cut inside the system prompt."""
+    messages = [{"role": "system", "content": "Answer Yes or No."}, {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": "Yes "}]
+    got = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    full = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert got.endswith("</think>\n\nYes") and full.startswith(got) and full[len(got):] == "<|im_end|>\n"
+
+
 @pytest.mark.parametrize(("messages", "kwargs", "match"), [
     ([{"role": "user", "content": "hi"}], {"add_generation_prompt": False}, "continues an assistant message"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], {}, "cannot both be true"),

@@ -58,3 +58,5 @@ def test_offline_llm_uses_the_defaults() -> None:
     assert implicit.token_ids == explicit[0].outputs[0].token_ids and len(implicit.token_ids) == 6
     with pytest.raises(EngineConfigError, match="--override-generation-config"):
         LLM(device="cpu", max_model_len=128, override_generation_config={"top_k": "many"})
+    with pytest.raises(EngineConfigError, match=r"request defaults.*top_p"):
+        LLM(device="cpu", max_model_len=128, override_generation_config={"top_p": 0})

@@ -194,6 +194,10 @@ def test_engine_admits_by_priority_and_fcfs_refuses_priorities() -> None:
         assert finished == order
     with pytest.raises(SamplingParamsError, match=r"^priority .*--scheduling-policy priority"):
         llm.generate(prompts[:2], params, priority=[0, 1])
+    assert not llm.engine.has_unfinished_requests()  # the first prompt was not left queued
+    with pytest.raises(Exception, match=r"max_model_len|context|exceed"):
+        llm.generate([prompts[0], [1] * 200], params)  # the second prompt does not fit
+    assert not llm.engine.has_unfinished_requests() and llm.engine.blocks.all_free()
     with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
         llm.generate(prompts[:1], params, priority=[0, 1])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params, priority=[0])] == \

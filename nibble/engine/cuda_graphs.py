@@ -60,8 +60,7 @@ def capture_set(graphs: GraphSet, what: str, parallel: ParallelContext = SINGLE,
             error = f"{type(e).__name__}: {e}"
             if parallel.is_parallel:
                 logger.warning("CUDA graph capture of %s failed at size %s on this rank", what, key, exc_info=True)
-            if graphs.device.type == "cuda":
-                torch.cuda.synchronize(graphs.device)
+            _recover(graphs.device)
         failures = rank_failures(parallel, error)
         if failures:
             _log_dropped(what, f"at size {key}", failures, parallel)
@@ -70,6 +69,20 @@ def capture_set(graphs: GraphSet, what: str, parallel: ParallelContext = SINGLE,
         torch.cuda.synchronize(graphs.device)
     logger.info("CUDA graphs for %s ready in %.1f s, sizes %s", what, time.perf_counter() - t0, keys)
     return True
+
+
+def _recover(device: torch.device) -> None:
+    """Leave the device usable for eager steps after a failed capture, without raising: this rank must still
+    reach the agreement the other ranks wait in."""
+    if device.type != "cuda":
+        return
+    try:
+        # a capture whose end failed leaves its side stream current (torch.cuda.graph's exit stops at
+        # capture_end); the engine runs on the default stream
+        torch.cuda.set_stream(torch.cuda.default_stream(device))
+        torch.cuda.synchronize(device)
+    except Exception:  # a sticky device error: the next eager step reports it
+        logger.warning("the device did not recover cleanly from the failed capture", exc_info=True)
 
 
 def _memory_shortfall(device: torch.device, need: int) -> str | None:

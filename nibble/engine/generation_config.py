@@ -102,6 +102,13 @@ class GenerationDefaults:
             out["temperature"] = 0.0
         return out
 
+    def sampling_params_kwargs(self) -> dict[str, Any]:
+        """`sampling_overrides` under SamplingParams' names (max_new_tokens is max_tokens)."""
+        out = self.sampling_overrides()
+        if "max_new_tokens" in out:
+            out["max_tokens"] = out.pop("max_new_tokens")
+        return out
+
 
 def load_generation_defaults(model_dir: str | Path, source: str = "auto",
                              override: dict[str, Any] | None = None) -> GenerationDefaults:

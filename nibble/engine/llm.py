@@ -36,11 +36,7 @@ class LLM:
         """SamplingParams holding the request defaults of the engine's generation config (the model's
         generation_config.json unless `generation_config` / `override_generation_config` say otherwise), what
         `generate` uses when given none, as vLLM's LLM does."""
-        values = self.engine.generation_defaults.sampling_overrides()
-        max_new_tokens = values.pop("max_new_tokens", None)
-        if max_new_tokens is not None:
-            values["max_tokens"] = max_new_tokens
-        return SamplingParams(**values)
+        return SamplingParams(**self.engine.generation_defaults.sampling_params_kwargs())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -58,15 +54,23 @@ class LLM:
             params = [sampling_params or self.get_default_sampling_params() for _ in items]
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
-        ids = []
-        for i, (p, sp) in enumerate(zip(items, params)):
-            self._counter += 1
-            rid = f"offline-{self._counter}"
-            copy = _copy(sp)
+        copies = [_copy(sp) for sp in params]
+        for i, copy in enumerate(copies):
             if priority is not None:
                 copy.priority = priority[i]
-            self.engine.add_request(rid, p, copy)
-            ids.append(rid)
+            self.engine.check_priority(copy)
+        ids: list[str] = []
+        try:
+            for p, copy in zip(items, copies):
+                self._counter += 1
+                rid = f"offline-{self._counter}"
+                self.engine.add_request(rid, p, copy)
+                ids.append(rid)
+        except Exception:
+            # a prompt the engine refuses: the ones before it must not stay queued for the next call
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():

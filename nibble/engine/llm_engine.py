@@ -116,8 +116,14 @@ class LLMEngine:
         try:
             self.generation_defaults = load_generation_defaults(self.model_dir, config.generation_config,
                                                                 config.override_generation_config)
+            # a value no request could use (top_p 0, max_new_tokens -1) fails here, not in every later request
+            SamplingParams(**self.generation_defaults.sampling_params_kwargs())
         except GenerationConfigError as exc:
             raise EngineConfigError(str(exc)) from None
+        except SamplingParamsError as exc:
+            raise EngineConfigError(f"the request defaults of the generation config (--generation-config "
+                                    f"{config.generation_config}, --override-generation-config) are invalid: {exc}") \
+                from None
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > self.model_config.max_position_embeddings:
             raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "

@@ -273,16 +273,37 @@ class Tokenizer:
                                         f"assistant message, got '{checked[-1]['role']}'")
         rendered = template.render(checked, tools=checked_tools, add_generation_prompt=add_generation_prompt,
                                    **variables)
-        return _cut_after_final_message(rendered, checked[-1]) if continue_final_message else rendered
+        if not continue_final_message:
+            return rendered
+        # Where the final content starts: the same conversation with a marker in its place. Searching the whole
+        # prompt (transformers' way) cuts inside an earlier turn that happens to hold the same text.
+        marked = [*checked[:-1], {**checked[-1], "content": _FINAL_MARKER}]
+        probe = template.render(marked, tools=checked_tools, add_generation_prompt=False, **variables)
+        start = probe.find(_FINAL_MARKER)
+        return _cut_after_final_message(rendered, checked[-1], start if rendered[:start] == probe[:start] else -1)
 
 
-def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:
-    """`rendered` up to the end of the final message's content (templates trim it; then up to its trimmed
-    form), dropping the end-of-turn the template wrote after it."""
+# Stands for the final message's content while finding where that content starts (private-use characters, which
+# no template trims or escapes).
+_FINAL_MARKER = "\ue000nibble-final-message\ue001"
+
+
+def _cut_after_final_message(rendered: str, final: dict[str, Any], start: int = -1) -> str:
+    """`rendered` up to the end of the final message's content (templates trim it; then up to its trimmed form),
+    dropping the end-of-turn the template wrote after it. `start`: where that content begins in `rendered`, when
+    known; else its last occurrence is taken, as transformers does."""
     content = final.get("content") or ""
     for text in (content, content.strip()):
-        at = rendered.rfind(text) if text else -1
+        if not text:
+            continue
+        if start >= 0:
+            if rendered.startswith(text, start):
+                return rendered[: start + len(text)]
+            continue
+        at = rendered.rfind(text)
         if at >= 0:
             return rendered[: at + len(text)]
+    if start >= 0:
+        return _cut_after_final_message(rendered, final)
     raise ChatTemplateError(f"continue_final_message: the final message's content {content[:40]!r} does not appear "
                             "in the rendered prompt (an empty message has nothing to continue)")

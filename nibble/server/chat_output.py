@@ -52,8 +52,15 @@ class ChatDeltaBuilder:
 
     @property
     def has_tool_calls(self) -> bool:
-        """Whether any tool call has been emitted."""
-        return self._tools is not None and self._tools.num_calls > 0
+        """Whether any complete tool call has been emitted (one the generation left unfinished does not count,
+        as `build_chat_message` returns it as content)."""
+        return self._tools is not None and self._tools.num_calls - self.has_unfinished_call > 0
+
+    @property
+    def has_unfinished_call(self) -> bool:
+        """Whether the generation ended inside a tool call (known after the final `feed`): its deltas were
+        sent, but its arguments are unterminated."""
+        return self._tools is not None and self._tools.incomplete_call_text is not None
 
     def feed(self, delta_text: str, final: bool = False) -> DeltaMessage | None:
         """The delta for the next piece of text (None when nothing is ready); `final` flushes everything."""

@@ -122,7 +122,7 @@ class MessagesRequest(CountTokensRequest):
     seed: int | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)
-    priority: int = 0
+    priority: int = Field(default=0, strict=True)
 
     @field_validator("stop_sequences")
     @classmethod

@@ -41,6 +41,8 @@ class MessageEventWriter:
         self.blocks: list[ContentBlock] = []
         self._omit_thinking = omit_thinking
         self._open: ContentBlock | None = None
+        # the open block's index: blocks compare by value, and two text blocks may hold the same text so far
+        self._open_index = -1
         self._arguments: dict[int, str] = {}  # per tool_use block: its arguments as JSON text, as streamed
 
     def start(self) -> list[str]:
@@ -52,6 +54,7 @@ class MessageEventWriter:
         events = self._close_open()
         self.blocks.append(block)
         self._open = block
+        self._open_index = len(self.blocks) - 1
         start = block.model_copy(update={"input": {}}) if isinstance(block, ToolUseBlock) else block
         events.append(message_event("content_block_start", {"index": len(self.blocks) - 1,
                                                             "content_block": start.model_dump(mode="json")}))
@@ -61,7 +64,7 @@ class MessageEventWriter:
         block, self._open = self._open, None
         if block is None:
             return []
-        index = self.blocks.index(block)
+        index = self._open_index
         if isinstance(block, ToolUseBlock):
             try:
                 block.input = json.loads(self._arguments.get(index) or "{}")
@@ -71,7 +74,7 @@ class MessageEventWriter:
 
     def _delta(self, delta: dict[str, Any]) -> str:
         assert self._open is not None
-        return message_event("content_block_delta", {"index": self.blocks.index(self._open), "delta": delta})
+        return message_event("content_block_delta", {"index": self._open_index, "delta": delta})
 
     def feed(self, delta: DeltaMessage | None) -> list[str]:
         """Events for one chat delta (None: nothing new)."""
@@ -97,7 +100,7 @@ class MessageEventWriter:
                 events += self._open_block(ToolUseBlock(id=tool_use_id(call.id), name=fn.name if fn and fn.name
                                                         else ""))
             if isinstance(self._open, ToolUseBlock) and fn is not None and fn.arguments:
-                index = self.blocks.index(self._open)
+                index = self._open_index
                 self._arguments[index] = self._arguments.get(index, "") + fn.arguments
                 events.append(self._delta({"type": "input_json_delta", "partial_json": fn.arguments}))
         return events

@@ -97,7 +97,7 @@ class _SamplingRequest(_Request):
     # vLLM: prefix-cache entries are shared only among requests with the same salt (one per tenant)
     cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM: lower is served first under --scheduling-policy priority; anything but 0 is refused under fcfs
-    priority: int = 0
+    priority: int = Field(default=0, strict=True)
     user: str | None = None
     # structured outputs, three spellings: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (structured_spec)

@@ -210,11 +210,14 @@ class ResponseEventWriter:
                                          output_index=self.items.index(item), delta=fn.arguments))
         return events
 
-    def finish(self, finish_reason: str | None, usage: ResponseUsage, completed_at: int) -> tuple[list[str],
-                                                                                             ResponseObject]:
+    def finish(self, finish_reason: str | None, usage: ResponseUsage, completed_at: int,
+               unfinished_call: bool = False) -> tuple[list[str], ResponseObject]:
         """Close the open item and end with response.completed (or response.incomplete at the token
-        limit); returns the events and the final response."""
-        events = self._close_open("incomplete" if finish_reason == "length" else "completed")
+        limit); returns the events and the final response. `unfinished_call`: the generation ended inside a
+        function call (at the limit, or at a stop string or EOS): that item is 'incomplete', so that sent back
+        it is not taken for a call with valid arguments."""
+        cut = finish_reason == "length" or (unfinished_call and isinstance(self._open, FunctionCallItem))
+        events = self._close_open("incomplete" if cut else "completed")
         self.response = finish_response(self.response, self.items, finish_reason, usage, completed_at)
         kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
         events.append(self._response_event(kind))

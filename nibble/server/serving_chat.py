@@ -55,6 +55,18 @@ CHAT_UNSUPPORTED_FIELDS = {
 }
 
 
+def _before_final_content(prompt: str, content: Any) -> str:
+    """A continue_final_message prompt without the final message's content at its end, so that a `<think>` the
+    client's own text holds is not taken for an open think block."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    text = content if isinstance(content, str) else ""
+    for tail in (text, text.strip()):
+        if tail and prompt.endswith(tail):
+            return prompt[: -len(tail)]
+    return prompt
+
+
 class ChatServing(OpenAIServing):
     """Handler of /v1/chat/completions."""
 
@@ -107,8 +119,11 @@ class ChatServing(OpenAIServing):
             room = self.max_model_len - len(ids)
             max_tokens = req.max_new_tokens or min(room, self.default_max_new_tokens or room)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            thinking = (prompt.rfind(THINK_START) > prompt.rfind(THINK_END) if req.continue_final_message
-                        else kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END))
+            if req.continue_final_message:
+                head = _before_final_content(prompt, req.messages[-1].get("content"))
+                thinking = head.rfind(THINK_START) > head.rfind(THINK_END)
+            else:
+                thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
             structured = await self.structured_outputs(req, after_reasoning=thinking,
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)

@@ -252,7 +252,8 @@ class ResponsesServing(ChatServing):
                 for event in writer.feed(builder.feed(c.delta_text, final=out.finished), lps):
                     yield event
                 if out.finished:
-                    events, response = writer.finish(c.finish_reason, self._usage(job, out, tokens), int(time.time()))
+                    events, response = writer.finish(c.finish_reason, self._usage(job, out, tokens), int(time.time()),
+                                                     builder.has_unfinished_call)
                     # Stored before the last events go out: a client may hang up as soon as it reads
                     # response.completed, which cancels this generator at its next yield.
                     self._keep(job, response)

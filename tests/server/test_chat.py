@@ -210,5 +210,11 @@ def test_continue_final_message(client: openai.OpenAI, server: ServerHandle, tok
     assert message.content == raw.choices[0].text
     body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
     assert http.post("/tokenize", json=body).json()["tokens"] == tokenizer.encode(rendered)
+    # a <think> in the client's own prefill is text, not an open think block
+    tagged = [*MESSAGES, {"role": "assistant", "content": "Use the <think> tag"}]
+    out = chat(client, server, messages=tagged, max_tokens=4,
+               extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert (out.choices[0].message.model_extra or {}).get("reasoning_content") is None
+    assert out.choices[0].message.content
     r = http.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text

@@ -116,3 +116,18 @@ def test_engine_error_finish_becomes_500() -> None:
     with pytest.raises(APIError) as info:
         check_generation_error(out)
     assert info.value.status == 500 and "non-finite" in info.value.message
+
+
+def test_a_call_left_unfinished_is_no_tool_call() -> None:
+    """Generation stopped (a stop string, EOS) inside a tool call: the streamed deltas already named the call, but
+    like build_chat_message (which returns it as content) the builder does not count it as a call, so the finish
+    reason is not 'tool_calls'."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}}}}}]
+    text = "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n4"
+    builder = ChatDeltaBuilder(False, tools, True)
+    builder.feed(text)
+    builder.feed("", final=True)
+    assert builder.has_unfinished_call and not builder.has_tool_calls
+    message = build_chat_message(text, False, tools, True)
+    assert not message.tool_calls and chat_finish_reason("stop", builder.has_tool_calls) == "stop"

@@ -434,3 +434,27 @@ def test_stream_disconnect_aborts(server: ServerHandle, http: httpx.Client) -> N
         assert server.engine.stats()["num_running"] == 1
     assert wait_idle(server.engine), server.engine.stats()
     assert aborted() == before + 1
+
+
+def test_stream_block_indices_are_positions_not_values() -> None:
+    """Two text blocks with the same text so far (before and after a tool call) are distinct blocks: every delta
+    and stop names the block it belongs to."""
+    from nibble.server.messages_protocol import MessageObject, MessagesUsage
+    from nibble.server.messages_stream import MessageEventWriter
+    from nibble.server.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+
+    writer = MessageEventWriter(MessageObject(model="m", usage=MessagesUsage(input_tokens=1, output_tokens=0)))
+    events = writer.feed(DeltaMessage(content="Let"))
+    events += writer.feed(DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
+                                                                 function=DeltaFunctionCall(name="f", arguments=""))]))
+    events += writer.feed(DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments="{}"))]))
+    events += writer.feed(DeltaMessage(content="Let"))
+    events += writer.feed(DeltaMessage(content=" me"))
+    events += writer.finish("end_turn", None, MessagesUsage(input_tokens=1, output_tokens=5))[0]
+    data = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    indexed = [(d["type"], d["index"]) for d in data if "index" in d]
+    assert indexed == [("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+                       ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+                       ("content_block_start", 2), ("content_block_delta", 2), ("content_block_delta", 2),
+                       ("content_block_stop", 2)]
+    assert [b.text for b in writer.message.content if b.type == "text"] == ["Let", "Let me"]

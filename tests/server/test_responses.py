@@ -451,3 +451,21 @@ def test_failure_mid_stream_is_response_failed(http: httpx.Client, server: Serve
     assert events[-1]["type"] == "response.failed" and failed.status == "failed"
     assert failed.error.code == "server_error" and "non-finite" in failed.error.message
     assert http.get(f"/v1/responses/{failed.id}").status_code == 404
+
+
+def test_a_call_cut_by_a_stop_is_incomplete() -> None:
+    """The generation ended inside a function call without reaching the token limit (a stop string, EOS): the
+    streamed call is closed 'incomplete', so that sent back it is not taken for a call with valid arguments."""
+    from nibble.server.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from nibble.server.responses_protocol import ResponseUsage
+    from nibble.server.responses_stream import ResponseEventWriter
+
+    writer = ResponseEventWriter(ResponseObject(model="m"))
+    writer.feed(DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
+                                                       function=DeltaFunctionCall(name="f", arguments=""))]), None)
+    writer.feed(DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a": '))]),
+                None)
+    _, final = writer.finish("stop", ResponseUsage(input_tokens=1, output_tokens=9, total_tokens=10), 0,
+                             unfinished_call=True)
+    assert final.status == "completed" and [(i.type, i.status) for i in final.output] == [("function_call",
+                                                                                          "incomplete")]

@@ -194,14 +194,17 @@ def test_speculative_decoding_server_matches_plain(engine: AsyncEngine, server: 
 
 
 def test_priority_reaches_the_engine(model_kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under --scheduling-policy priority every generating endpoint hands the request's `priority` to the engine
-    (each choice of n keeps it); a value that is not an integer is a 400 naming the field."""
+    """Under --scheduling-policy priority every generating endpoint hands the request's `priority` (and
+    `cache_salt`) to the engine (each choice of n keeps them); a value that is not an integer is a 400 naming the
+    field."""
     eng = make_engine(model_kwargs, scheduling_policy="priority")
     seen: list[int] = []
+    salts: list[str | None] = []
     real = eng.engine.add_request
 
     def spy(request_id: str, prompt: Any, params: Any = None) -> Any:
         seen.append(params.priority)
+        salts.append(params.cache_salt)
         return real(request_id, prompt, params)
 
     monkeypatch.setattr(eng.engine, "add_request", spy)
@@ -216,11 +219,13 @@ def test_priority_reaches_the_engine(model_kwargs: dict[str, Any], monkeypatch: 
                     ("/v1/messages", {"model": handle.model, "messages": user, "max_tokens": 2, "priority": 4}, [4]),
                     ("/v1/completions", PROMPT, [0])):
                 seen.clear()
-                r = http.post(path, json=body)
+                salts.clear()
+                r = http.post(path, json={**body, "cache_salt": "tenant"})
                 assert r.status_code == 200, (path, r.text)
-                assert seen == expected, path
-            r = http.post("/v1/completions", json={**PROMPT, "priority": "high"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+                assert seen == expected and salts == ["tenant"] * len(expected), path
+            for bad in ("high", True, 1.5):
+                r = http.post("/v1/completions", json={**PROMPT, "priority": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     finally:
         handle.stop()
         eng.shutdown()
