@@ -66,6 +66,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="/v1/responses: how many finished responses to keep in memory for previous_response_id "
                              "and GET /v1/responses/{id}, the least recently used forgotten first; 0 keeps none "
                              "(default: 1000)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (chain) file (PEM)")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates for verifying client certificates")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*; "
+                             "default: %(default)s)")
+    server.add_argument("--root-path", default="",
+                        help="behind a proxy that serves the API under a path prefix and strips it before forwarding: "
+                             "that prefix (ASGI root_path, as vLLM's), e.g. /nibble")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, in place of the model's")
 
@@ -205,6 +214,30 @@ def cors_settings(args: argparse.Namespace) -> dict[str, Any]:
             "allow_credentials": bool(getattr(args, "allowed_credentials", False))}
 
 
+def _check_tls(args: argparse.Namespace) -> str | None:
+    """Why the TLS flags cannot work (a missing file, a key without its certificate, a key that does not
+    match), checked before the slow engine start; None when they can or are not given."""
+    keyfile, certfile = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    ca_certs = getattr(args, "ssl_ca_certs", None)
+    if not keyfile and not certfile:
+        return "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile" if ca_certs else None
+    if not (keyfile and certfile):
+        return "--ssl-keyfile and --ssl-certfile go together: HTTPS needs both the key and the certificate"
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile), ("--ssl-ca-certs", ca_certs)):
+        if path and not os.path.isfile(path):
+            return f"{flag}: no such file: {path}"
+    import ssl
+
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certfile, keyfile)
+        if ca_certs:
+            context.load_verify_locations(ca_certs)
+    except (ssl.SSLError, OSError) as exc:
+        return f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot be used for HTTPS ({exc})"
+    return None
+
+
 def _store_settings(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's response-store argument when the flag was given (else the app's default)."""
     value = getattr(args, "max_stored_responses", None)
@@ -241,6 +274,9 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(log_level.upper())
     if not 0 <= args.port <= 65535:
         return _fail(f"--port must be in 0..65535, got {args.port}")
+    tls_error = _check_tls(args)
+    if tls_error:
+        return _fail(tls_error)
     if (getattr(args, "max_stored_responses", None) or 0) < 0:
         return _fail(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
 
@@ -297,9 +333,16 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
                     **_store_settings(args))
     # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long.
     config = uvicorn.Config(app, log_level=args.log_level, log_config=None, access_log=False,
-                            timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                            ssl_certfile=getattr(args, "ssl_certfile", None),
+                            ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+                            ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
+                            root_path=getattr(args, "root_path", ""))
     host, port = sock.getsockname()[:2]
-    logger.info("listening on http://%s:%d (model '%s')", host, port, engine_core(engine).model_name)
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    logger.info("listening on %s://%s:%d%s (model '%s')", scheme, host, port, getattr(args, "root_path", ""),
+                engine_core(engine).model_name)
     try:
         Server(config).run(sockets=[sock])
     finally:

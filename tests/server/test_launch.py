@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -191,3 +193,50 @@ def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert "cmpl-" in out and "completion 3 tokens" in out
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https(tmp_path: Path) -> None:
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (plain HTTP is refused); a key without its certificate or a
+    certificate that is not one is a one-line start-up error before the engine starts."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    port = _free_port()
+    argv = [sys.executable, "-m", "nibble.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port",
+            str(port), "--max-model-len", "256", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+            "--root-path", "/nb"]
+    trust = ssl.create_default_context(cafile=str(cert))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", verify=trust, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", verify=trust).json()["data"][0]["id"] == "demo"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"listening on https://127.0.0.1:{port}/nb" in out
+    for argv, needle in ((["--ssl-keyfile", str(key)], "go together"),
+                         (["--ssl-keyfile", str(key), "--ssl-certfile", str(key)], "cannot be used for HTTPS"),
+                         (["--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "none.pem")], "no such file")):
+        done = subprocess.run([sys.executable, "-m", "nibble.cli", "serve", "--device", "cpu", "--port", "0", *argv],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+            done.stderr
