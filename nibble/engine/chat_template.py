@@ -188,7 +188,8 @@ def _join_text_parts(content: list[Any], where: str) -> str:
             raise ChatTemplateError(f"{loc}: content parts must be objects like {{'type': 'text', 'text': ...}}")
         kind = part.get("type", "text")
         if kind != "text":
-            raise ChatTemplateError(f"{loc}: content part type {kind!r} is not supported; this model takes text only")
+            raise ChatTemplateError(f"{loc}: content part type {kind!r} is not supported; nibble serves text only "
+                                    "so far")
         text = part.get("text")
         if not isinstance(text, str):
             raise ChatTemplateError(f"{loc}.text: must be a string")

@@ -32,7 +32,7 @@ class BlockError(ValueError):
 # end the prompt's cached prefix at its first tokens. It means nothing to the model, so it is dropped.
 BILLING_HEADER = "x-anthropic-billing-header:"
 
-_TEXT_ONLY = "this model takes text only"
+_TEXT_ONLY = "nibble serves text only so far (image and document input: not yet)"
 # Blocks that carry media, or the results of Anthropic's server tools, which nibble does not run.
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 

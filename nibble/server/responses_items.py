@@ -54,7 +54,7 @@ def _text_of(content: Any, where: str) -> str:
             raise ItemError(loc, "must be an object like {'type': 'input_text', 'text': ...}")
         kind = part.get("type")
         if kind not in _TEXT_PARTS:
-            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported; this model takes text only "
+            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported; nibble serves text only so far "
                                            f"(input_text, output_text)")
         key = "refusal" if kind == "refusal" else "text"
         text = part.get(key)
