@@ -3,13 +3,19 @@
 Tensors are streamed one at a time from the safetensors shards straight into the model's parameters, so
 the process never holds a second copy of the model. They are handed to the model lazily (`ShardTensor`:
 header shape and dtype, blocks read on demand through safetensors' `get_slice`), so that a tensor-parallel
-rank reads only its part of each tensor and skips other ranks' experts entirely. Vision tower tensors, and
-MTP head tensors unless the model is built with its MTP head (speculative decoding), are skipped with one
-log line each; every other tensor must map onto a parameter, and every parameter must be filled.
+rank reads only its part of each tensor and skips other ranks' experts entirely. MTP head tensors, unless
+the model is built with its MTP head (speculative decoding), are skipped with one log line; every other
+tensor must map onto a parameter, and every parameter must be filled.
+
+The vision tower (`model.visual.*`) is loaded into `model.visual` (nibble/models/qwen3_5_vision.py, in the
+model dtype) when config.json has a `vision_config` and the checkpoint the tower's tensors, on one device
+only (image input is not served under tensor parallelism); otherwise `model.visual` is None and the tensors
+are skipped.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -24,8 +30,9 @@ from nibble.checkpoint.safetensors_io import CheckpointError, list_shards, open_
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.linear import WeightLoadError
 from nibble.layers.parallel import ParallelContext
-from nibble.models.config import ModelConfig
+from nibble.models.config import ConfigError, ModelConfig
 from nibble.models.quant_config import normalize_module_name
+from nibble.models.qwen3_5_vision import Qwen3_5VisionModel, VisionConfig
 from nibble.models.registry import get_model_class
 
 logger = logging.getLogger("nibble.checkpoint")
@@ -110,6 +117,35 @@ def _check_has_mtp(model_dir: str | Path) -> None:
                           "text-only exports often drop them)")
 
 
+def _has_vision_config(model_dir: str | Path) -> bool:
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and isinstance(json.loads(path.read_text()).get("vision_config"), dict)
+
+
+def load_vision_tower(model_dir: str | Path, *, dtype: torch.dtype,
+                      device: torch.device | str) -> Qwen3_5VisionModel | None:
+    """The checkpoint's vision tower in `dtype` on `device`, or None when config.json has no vision_config
+    or the checkpoint no `model.visual.*` tensors. A tower that cannot be built (an incomplete vision_config,
+    missing or mis-shaped tensors, as in text-only test exports that keep a stub) is skipped with a warning:
+    text generation does not need it, image requests are then refused."""
+    if not _has_vision_config(model_dir):
+        return None
+    shards = [(path, open_shard(path)) for path in list_shards(model_dir)]
+    names = [(path, handle, n) for path, handle in shards for n in handle.keys()
+             if n.startswith(tuple(VISION_PREFIXES))]
+    if not names:
+        return None
+    try:
+        tower = Qwen3_5VisionModel(VisionConfig.from_pretrained(model_dir), dtype=dtype, device=device)
+        for path, handle, name in names:
+            tower.load_weights([(name, ShardTensor(handle, name, path))])
+        tower.check_complete()
+    except (WeightLoadError, ConfigError) as e:
+        logger.warning("%s: vision tower not loaded, image input disabled: %s", model_dir, e)
+        return None
+    return tower.eval()
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *, dtype: torch.dtype,
                device: torch.device | str, load_format: str = "auto", max_positions: int | None = None,
                seed: int = 0, parallel: ParallelContext | None = None, num_mtp_layers: int = 0) -> nn.Module:
@@ -145,6 +181,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *
     else:
         raise CheckpointError(f"unknown load format '{load_format}' (expected 'auto' or 'dummy')")
     model.finalize()
+    model.visual = (load_vision_tower(model_dir, dtype=dtype, device=device)
+                    if load_format == "auto" and not (parallel is not None and parallel.is_parallel) else None)
     model.eval()
     where = f", rank {parallel.tp_rank} of {parallel.tp_size}" if parallel and parallel.is_parallel else ""
     logger.info("loaded %s (%s, %s%s) in %.1f s", Path(model_dir).name or config.architecture, load_format,

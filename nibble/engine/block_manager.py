@@ -143,6 +143,8 @@ class BlockManager:
             return None
         if request.sampling_params.prompt_logprobs is not None:
             return None  # the log-probabilities of the cached positions were never computed
+        if request.has_images:
+            return None  # image placeholder ids are the same for every image: equal ids, different inputs
         entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids,
                                   root=request.digest_root)
         if entry is not None:

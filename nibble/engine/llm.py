@@ -1,4 +1,11 @@
-"""Offline batch inference in the vLLM convention: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline batch inference in the vLLM convention: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+Images (models with a vision tower): a prompt dict's `multi_modal_data` {"image": one image or a list}
+(PIL images, RGB uint8 arrays [H, W, 3], or data-URL strings), with one image placeholder per image in the
+prompt (`<|vision_start|><|image_pad|><|vision_end|>` as the chat template writes it), as vLLM takes
+them; `chat` takes {"type": "image_url", "image_url": {"url": "data:..."}} and {"type": "image", "image": ...}
+content parts.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,11 @@ from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.tokenizer import Tokenizer
+from nibble.models.multimodal import ImageInputs
+from nibble.models.vision_processor import decode_image, preprocess_images
 
 Prompt = str | list[int] | dict[str, Any]
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class LLM:
@@ -64,7 +74,12 @@ class LLM:
             for p, copy in zip(items, copies):
                 self._counter += 1
                 rid = f"offline-{self._counter}"
-                self.engine.add_request(rid, p, copy)
+                prompt, raw_images = p
+                if raw_images:
+                    prompt, images = self._with_images(prompt, raw_images)
+                    self.engine.add_request(rid, prompt, copy, images=images)
+                else:
+                    self.engine.add_request(rid, prompt, copy)
                 ids.append(rid)
         except Exception:
             # a prompt the engine refuses: the ones before it must not stay queued for the next call
@@ -88,30 +103,77 @@ class LLM:
         """Render each conversation with the model's chat template and generate."""
         tok = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [
-            tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
-            for conv in conversations]  # type: ignore[arg-type]
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            conv, images = _take_images(conv)  # type: ignore[arg-type]
+            text = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def _with_images(self, prompt: str | list[int], raw: list[Any]) -> tuple[list[int], ImageInputs]:
+        """Tokenize, preprocess the images with the model's processor settings and expand each image's single
+        placeholder to its token count."""
+        from nibble.engine.llm_engine import RequestError
+
+        if self.engine.image_processor is None:
+            raise RequestError("this model does not take image input")
+        try:
+            decoded = [decode_image(im) if isinstance(im, (str, bytes)) else im for im in raw]
+            images = ImageInputs(*preprocess_images(decoded, self.engine.image_processor))
+        except ValueError as exc:
+            raise RequestError(f"images: {exc}") from None
+        ids = self.get_tokenizer().encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+        return self.engine.expand_image_prompt(list(ids), images), images
+
     @staticmethod
-    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], list[Any]]]:
+        """(prompt, its raw images) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        out: list[str | list[int]] = []
+        out: list[tuple[str | list[int], list[Any]]] = []
         for p in prompts:  # type: ignore[union-attr]
             if isinstance(p, dict):
+                image = (p.get("multi_modal_data") or {}).get("image")
+                images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
                 if "prompt_token_ids" in p:
-                    out.append(list(p["prompt_token_ids"]))
+                    out.append((list(p["prompt_token_ids"]), images))
                 elif "prompt" in p:
-                    out.append(str(p["prompt"]))
+                    out.append((str(p["prompt"]), images))
                 else:
                     raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             elif isinstance(p, str):
-                out.append(p)
+                out.append((p, []))
             else:
-                out.append(list(p))
+                out.append((list(p), []))
         return out
+
+
+def _take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with each image content part replaced by a text part holding the template's vision
+    placeholder (the chat template renders an image exactly so, and joins parts with no separator), and the
+    images in order: data-URL strings of image_url parts, the `image` value of image parts."""
+    images: list[Any] = []
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out.append(msg)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+            elif kind == "image":
+                images.append(part.get("image"))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "text", "text": VISION_PLACEHOLDER})
+        out.append({**msg, "content": parts})
+    return out, images
 
 
 def _copy(sp: SamplingParams) -> SamplingParams:

@@ -48,6 +48,9 @@ from nibble.engine.structured_output import GrammarBackend, StructuredOutputErro
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
+from nibble.models.mrope import MRopeParams, mrope_positions
+from nibble.models.multimodal import ImageInputs, expand_image_tokens
+from nibble.models.vision_processor import ImageProcessorParams, ProcessedImage
 
 logger = logging.getLogger("nibble.engine")
 
@@ -149,6 +152,12 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        # image input: only with a vision tower, which the loader builds on one device only
+        self.mrope: MRopeParams | None = None
+        self.image_processor: ImageProcessorParams | None = None
+        if getattr(self.model, "visual", None) is not None:
+            self.mrope = self.runner.mrope = MRopeParams.from_model_dir(self.model_dir)
+            self.image_processor = ImageProcessorParams.from_model_dir(self.model_dir)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,
                                    prefix_caching=config.enable_prefix_caching, num_spec_slots=self.num_spec_tokens)
         # a verify step holds blocks for 2k positions past the computed tokens (scheduler._alloc_len)
@@ -238,8 +247,14 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.config.served_model_name or self.config.model
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
-        """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    images: ImageInputs | tuple[torch.Tensor, torch.Tensor] | list[ProcessedImage] | None = None
+                    ) -> Request:
+        """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input.
+
+        images: the prompt's images, preprocessed (`vision_processor.preprocess_images`' (pixel_values,
+        grid_thw), or a list of `ProcessedImage`), in prompt order; the prompt must then hold one
+        image_token_id placeholder per image token (`expand_image_prompt`)."""
         params = params or SamplingParams()
         params.validate()
         self.check_priority(params)
@@ -288,6 +303,8 @@ class LLMEngine:
             except StructuredOutputError as exc:
                 raise RequestError(f"structured outputs: {exc}") from None
         req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar)
+        if images is not None:
+            self._attach_images(req, images)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
@@ -299,6 +316,41 @@ class LLMEngine:
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
+
+    def _attach_images(self, req: Request, images: object) -> None:
+        """Give a request its images and 3-D positions, refusing what this version does not serve."""
+        if self.mrope is None:
+            raise RequestError("this model has no vision tower (or runs under tensor parallelism, where image "
+                               "input is not served yet): image input is not supported")
+        if self.num_spec_tokens:
+            raise RequestError("image input is not supported with speculative decoding (--num-speculative-tokens) "
+                               "yet")
+        if req.sampling_params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not supported with image input yet")
+        try:
+            req.images = ImageInputs.of(images)
+            req.mrope_positions, req.mrope_delta = mrope_positions(
+                req.prompt_token_ids, req.images.grid_thw, self.mrope.image_token_id, self.mrope.spatial_merge_size)
+        except ValueError as exc:
+            raise RequestError(f"images: {exc}") from None
+        patch_dim = self.model.visual.config.patch_dim  # type: ignore[union-attr]
+        if req.images.pixel_values.shape[1] != patch_dim:
+            raise RequestError(f"images: pixel_values rows must have {patch_dim} values, got "
+                               f"{req.images.pixel_values.shape[1]}")
+        # placeholder ids are equal for different images: no prefix-cache entries from this request
+        req.cacheable = False
+
+    def expand_image_prompt(self, prompt_ids: list[int], images: ImageInputs | tuple[torch.Tensor, torch.Tensor]
+                            | list[ProcessedImage]) -> list[int]:
+        """The prompt with its one image placeholder per image (as the chat template writes them) repeated to
+        each image's token count. RequestError on a count mismatch or a model without image input."""
+        if self.mrope is None:
+            raise RequestError("this model does not take image input")
+        try:
+            counts = ImageInputs.of(images).num_tokens(self.mrope.spatial_merge_size)
+            return expand_image_tokens(prompt_ids, self.mrope.image_token_id, counts)
+        except ValueError as exc:
+            raise RequestError(f"images: {exc}") from None
 
     def check_priority(self, params: SamplingParams) -> None:
         """Refuse a request priority other than 0 unless the engine schedules by priority, as vLLM does: under

@@ -19,6 +19,7 @@ from torch import nn
 
 from nibble.engine.config import EngineConfig
 from nibble.engine.cuda_graphs import DecodeGraphs, capture_set, capture_sizes
+from nibble.engine.image_steps import image_step_inputs
 from nibble.engine.mixed_graphs import MixedGraphs, mixed_capture_sizes
 from nibble.engine.prompt_logprobs import prompt_logprobs
 from nibble.engine.request import PENDING_BASE, TokenLogprobs
@@ -31,6 +32,8 @@ from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
 from nibble.layers.parallel import SINGLE, ParallelContext
 from nibble.models.config import FULL_ATTENTION, ModelConfig
+from nibble.models.mrope import MRopeParams, mrope_cos_sin
+from nibble.models.multimodal import MultimodalStep
 
 CPU_DEFAULT_KV_GB = 0.25
 # How a model step can run: replayed from a decode, mixed-step or verify CUDA graph, or eagerly.
@@ -202,6 +205,8 @@ class ModelRunner(SpecSteps):
         self.prompt_logprob_results: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         # steps run so far by how they ran (the server's /metrics reports them)
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)
+        # image input (set by the engine for a model with a vision tower): placeholder id and M-RoPE sections
+        self.mrope: MRopeParams | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
@@ -253,6 +258,10 @@ class ModelRunner(SpecSteps):
         known tokens are not sampled. inflight_tokens: int64 [rows] on the device, the tokens sampled by
         the step still in flight, which the requests' pending placeholders stand for (request.py)."""
         step = StepInputs.from_schedule(sched)
+        if self.mrope is not None and any(r.has_images for r in sched.requests):
+            step.position_offsets, step.mm = image_step_inputs(
+                sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
+                self.mrope.image_token_id, self.device)
         if self.broadcast is not None:
             if inflight_tokens is not None:
                 raise RuntimeError("overlapped scheduling does not run under tensor parallelism")
@@ -260,6 +269,17 @@ class ModelRunner(SpecSteps):
         self.prompt_logprob_results = {}
         num_top = [sched.requests[i].sampling_params.prompt_logprobs or 0 for i in step.prompt_logprob_rows]
         return self.run(step, inflight_tokens, num_prompt_top=num_top), step.sample_rows
+
+    def _add_image_inputs(self, batch: ForwardBatch, mm: MultimodalStep) -> None:
+        """Give an eager batch its per-token M-RoPE rows (read at positions arange(T)) and the vision rows of
+        its placeholders."""
+        assert self.mrope is not None
+        table = self.model.rotary.cos_sin_cache
+        batch.rope_cos_sin = mrope_cos_sin(mm.positions, table, self.mrope.mrope_section)
+        batch.positions = torch.arange(batch.num_tokens, dtype=torch.int64, device=self.device)
+        if mm.token_index.numel():
+            batch.mm_token_index = to_device_async(mm.token_index, self.device)
+            batch.mm_embeds = mm.embeds
 
     def _prepare_caches(self, step: StepInputs) -> None:
         if step.state_copies:
@@ -279,14 +299,17 @@ class ModelRunner(SpecSteps):
         self._prepare_caches(step)
         num_seqs = step.num_seqs
         sample_rows = step.sample_rows
-        graphs_ok = not step.prompt_logprob_rows
+        # steps feeding image prompt chunks rotate with per-token tables: eager only
+        graphs_ok = not step.prompt_logprob_rows and step.mm is None
         if (graphs_ok and self.graphs is not None and step.is_decode and num_seqs == len(sample_rows)
                 and self.graphs.padded_size(num_seqs) is not None):
             bs = self.block_size
             pos = step.context_lens
+            # an image request decodes at index + delta on all three axes: a plain shifted 1-D position
+            rope_pos = [p + o for p, o in zip(pos, step.position_offsets)] if step.position_offsets else pos
             ids, pending = _pending_inputs([t[0] for t in step.token_ids], inflight_tokens, self.device)
             logits = self.graphs.run(
-                input_ids=ids, positions=pos,
+                input_ids=ids, positions=rope_pos,
                 seq_lens=[p + 1 for p in pos], block_tables=step.block_tables,
                 slot_mapping=[b[p // bs] * bs + p % bs for b, p in zip(step.block_tables, pos)],
                 state_slots=step.state_slots, pending=pending)
@@ -300,7 +323,7 @@ class ModelRunner(SpecSteps):
             token_ids = [flat[a:b] for a, b in pairwise(starts)]
         mixed = self.mixed_graphs
         size = (mixed.padded_size(len(flat), num_seqs, max(map(len, token_ids)))
-                if mixed is not None and not mixed.full_hidden and graphs_ok else None)
+                if mixed is not None and not mixed.full_hidden and graphs_ok and not step.position_offsets else None)
         if mixed is not None and size is not None:
             mixed.load(size, token_ids, step.context_lens, step.block_tables, step.state_slots, self.block_size,
                        pending)
@@ -312,9 +335,11 @@ class ModelRunner(SpecSteps):
                 last = last[to_device_async(torch.tensor(sample_rows, dtype=torch.int64), self.device)]
             return self.model.compute_logits(last)
         batch = ForwardBatch.build(token_ids, step.context_lens, step.block_tables, step.state_slots,
-                                   self.block_size, self.device)
+                                   self.block_size, self.device, position_offsets=step.position_offsets or None)
         if pending is not None:
             batch.input_ids[pending[0]] = pending[1]
+        if step.mm is not None:
+            self._add_image_inputs(batch, step.mm)
         hidden = self.model(batch, self.caches)
         self.step_counts["eager"] += 1
         if step.prompt_logprob_rows:

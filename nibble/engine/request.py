@@ -11,6 +11,7 @@ import torch
 from nibble.engine.prefix_cache import block_digests, salt_root
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
+from nibble.models.multimodal import ImageInputs
 
 # A fed token sampled by a step still in flight: PENDING_BASE - row, row in that step's sampled tokens.
 PENDING_BASE = -1
@@ -61,6 +62,11 @@ class Request:
     Speculative decoding (spec_decode.py): `draft_token_ids` are the MTP head's guesses of the tokens after
     the last one, fed with it in the next verify step (not part of the request's tokens); `spec_slots` are
     the GDN slots besides `state_slot` where that step leaves the states after each draft.
+
+    Image input (multimodal.py): `images` holds the preprocessed images, `mrope_positions` int64 [3, prompt
+    len] the prompt's 3-D rotary positions and `mrope_delta` the offset from token index to position of every
+    token after the prompt; `image_embeds` [image tokens, hidden] (on the device) is the vision tower's
+    output, computed at the request's first prefill chunk.
     """
 
     request_id: str
@@ -88,6 +94,10 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # sampling_params.prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    images: ImageInputs | None = field(default=None, repr=False)
+    mrope_positions: torch.Tensor | None = field(default=None, repr=False)
+    mrope_delta: int = 0
+    image_embeds: torch.Tensor | None = field(default=None, repr=False)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
     # (prefix index version, answer) of the last BlockManager.awaits_cut
     awaits_cut_at: tuple[int, bool] | None = field(default=None, repr=False)
@@ -99,6 +109,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.pending_rows)
+
+    @property
+    def has_images(self) -> bool:
+        return self.images is not None
 
     @property
     def num_pending_tokens(self) -> int:

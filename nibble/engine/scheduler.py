@@ -161,7 +161,8 @@ class Scheduler:
             entry = None
         block_copy = self.blocks.attach_prefix(req, entry) if entry is not None else None
         first = req.num_preemptions == 0
-        prefix = self.blocks.prefix
+        # image requests neither use nor create prefix-cache entries (BlockManager.match_prefix)
+        prefix = self.blocks.prefix if not req.has_images else None
         if prefix is not None and first:
             self.blocks.plan_split(req)
         n = self._chunk(req, budget)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nibble.engine.scheduler import ScheduledBatch
+from nibble.models.multimodal import MultimodalStep
 
 
 @dataclass
@@ -33,7 +34,9 @@ class StepInputs:
     prompt positions that want log-probabilities (`SamplingParams.prompt_logprobs`), prompt_logprob_next[j]:
     the prompt token after row prompt_logprob_rows[j]'s chunk (-1 past the prompt), prompt_logprob_counts[j]:
     how many of the chunk's first positions predict a prompt token (all, unless the chunk reaches past the
-    prompt: a request recomputed after preemption)."""
+    prompt: a request recomputed after preemption). position_offsets[i]: added to sequence i's rotary
+    positions (an image request's M-RoPE delta; [] when all are 0); mm: the step's image inputs
+    (image_steps.py). Neither goes on the wire: image input is not served under tensor parallelism."""
 
     token_ids: list[list[int]]
     context_lens: list[int]
@@ -48,6 +51,8 @@ class StepInputs:
     prompt_logprob_rows: list[int] = field(default_factory=list)
     prompt_logprob_next: list[int] = field(default_factory=list)
     prompt_logprob_counts: list[int] = field(default_factory=list)
+    position_offsets: list[int] = field(default_factory=list)
+    mm: MultimodalStep | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -110,6 +115,8 @@ class StepInputs:
 
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
+        if self.position_offsets or self.mm is not None:
+            raise ValueError("a step with image input cannot be sent to other ranks")
         n = self.num_seqs
         width = len(self.spec_slots[0]) if self.spec_slots else 0
         if (self.spec_slots and len(self.spec_slots) != n) or any(len(r) != width for r in self.spec_slots) \

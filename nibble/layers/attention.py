@@ -67,7 +67,7 @@ class GatedAttention(nn.Module):
         q, k = self.kernels.qk_rms_norm(q, k, self.q_norm.loaded_multiplier(), self.k_norm.loaded_multiplier(),
                                         self.q_norm.eps)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, batch.positions)
+        q, k = self.rotary(q, k, batch.positions, batch.rope_cos_sin)
         self.kernels.store_kv(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
         out = self.kernels.paged_attention(
             q, cache.k, cache.v, batch.cu_seqlens_q, batch.seq_lens, batch.block_table, self.scale,

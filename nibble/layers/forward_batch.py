@@ -33,6 +33,10 @@ class ForwardBatch:
     tokens (its last token and n - 1 draft tokens): the GDN layers start from `state_slots[i]` and leave
     their state after the sequence's j-th token in slot `spec_slots[i, j]`, so that the engine can keep
     the state of however many draft tokens were accepted (None otherwise).
+    Image input (nibble/models/multimodal.py): rope_cos_sin fp32 [num_tokens, rotary_dim], per-token rotary
+    rows that replace the 1-D cos/sin cache (positions are then arange(num_tokens), indexing it), for steps
+    with 3-D positions; mm_token_index int64 [n] and mm_embeds [n, hidden]: tokens whose embeddings are
+    replaced by the vision tower's rows (None otherwise).
     """
 
     input_ids: torch.Tensor
@@ -48,6 +52,9 @@ class ForwardBatch:
     cu_seqlens_q_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     spec_slots: torch.Tensor | None = None
+    rope_cos_sin: torch.Tensor | None = None
+    mm_token_index: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,16 +71,17 @@ class ForwardBatch:
     @classmethod
     def build(cls, seqs_token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
               state_slots: list[int], block_size: int, device: torch.device | str = "cpu",
-              max_num_blocks: int | None = None) -> ForwardBatch:
+              max_num_blocks: int | None = None, position_offsets: list[int] | None = None) -> ForwardBatch:
         """Host-side construction from per-sequence lists.
 
         seqs_token_ids[i]: the tokens sequence i feeds this step; context_lens[i]: tokens already cached
-        for it; block_tables[i]: its physical block ids (enough for context + new tokens).
+        for it; block_tables[i]: its physical block ids (enough for context + new tokens);
+        position_offsets[i]: added to its rotary positions (an image request's M-RoPE delta; None: zeros).
         """
         if any(not toks for toks in seqs_token_ids):
             raise ValueError("every sequence in a batch needs at least one token")
         input_ids, positions, slot_mapping, cu, seq_lens = flatten_step(seqs_token_ids, context_lens, block_tables,
-                                                                        block_size)
+                                                                        block_size, position_offsets)
         # Rounded up to a multiple of 16: the row stride is a kernel argument, and Triton compiles a new
         # variant for each of its divisibility classes (1, 16k, other) on first use in a step.
         width = max_num_blocks or -(-max((len(b) for b in block_tables), default=1) // 16) * 16 or 16
@@ -100,19 +108,21 @@ class ForwardBatch:
 
 
 def flatten_step(seqs_token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+                 block_size: int, position_offsets: list[int] | None = None
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     """A step's per-sequence lists as the flat host lists the kernels take: (input_ids, positions,
     slot_mapping, cu_seqlens_q, seq_lens); see `ForwardBatch.build` for the arguments."""
+    offsets = position_offsets or [0] * len(seqs_token_ids)
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     cu = [0]
     seq_lens: list[int] = []
-    for toks, ctx, blocks in zip(seqs_token_ids, context_lens, block_tables, strict=True):
+    for toks, ctx, blocks, off in zip(seqs_token_ids, context_lens, block_tables, offsets, strict=True):
         n = len(toks)
         input_ids.extend(toks)
         for p in range(ctx, ctx + n):
-            positions.append(p)
+            positions.append(p + off)
             slot_mapping.append(blocks[p // block_size] * block_size + p % block_size)
         cu.append(cu[-1] + n)
         seq_lens.append(ctx + n)

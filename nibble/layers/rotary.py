@@ -19,6 +19,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, theta, device),
                              persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.rope(q, k, positions, self.cos_sin_cache)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """table: fp32 [rows, rotary_dim] to read at `positions` instead of the 1-D cache (a step's per-token
+        M-RoPE rows, read at arange(T))."""
+        return self.kernels.rope(q, k, positions, self.cos_sin_cache if table is None else table)

@@ -19,9 +19,9 @@ j < 3 * s_w, and the temporal one otherwise; for [11, 11, 10] and 32 frequencies
 T H W T H W ... T H T. transformers' Qwen3.5 code interleaves this way whatever `mrope_interleaved` says.
 With the three axes equal (text only) this is exactly the 1-D rope of nibble/kernels/rope.py.
 
-Building blocks for image input: exact against transformers, not yet wired into the engine (which still
-passes 1-D positions). The per-token table of `mrope_cos_sin` can feed the existing `rope` kernel with
-positions arange(T).
+Exact against transformers. The engine (nibble/engine/image_steps.py) feeds the per-token table of
+`mrope_cos_sin` to the existing `rope` kernel with positions arange(T) for steps with image prompt chunks,
+and shifts plain 1-D positions by the delta elsewhere.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from nibble.models.config import FULL_ATTENTION, ConfigError, ModelConfig
 
 if TYPE_CHECKING:
     from nibble.models.qwen3_5_mtp import Qwen3_5MTP
+    from nibble.models.qwen3_5_vision import Qwen3_5VisionModel
 
 logger = logging.getLogger("nibble.models")
 
@@ -129,10 +130,15 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             from nibble.models.qwen3_5_mtp import Qwen3_5MTP
 
             self.mtp = Qwen3_5MTP(config, num_mtp_layers, kernels, self.rotary, dtype, device, parallel)
+        # the vision tower, set by the loader for a multimodal checkpoint (nibble/checkpoint/loader.py)
+        self.visual: Qwen3_5VisionModel | None = None
         self._loaded: set[str] = set()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         hidden: torch.Tensor | MoEOutput = self.embed_tokens(batch.input_ids)
+        if batch.mm_embeds is not None:
+            # image placeholders take the vision tower's rows instead of their (shared) token embedding
+            hidden = hidden.index_copy(0, batch.mm_token_index, batch.mm_embeds.to(hidden.dtype))
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, caches)

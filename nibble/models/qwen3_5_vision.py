@@ -1,7 +1,7 @@
 """Qwen3.5 vision encoder (the `model.visual.*` tower of `Qwen3_5MoeForConditionalGeneration`), in plain PyTorch.
 
-Not wired into the engine yet: the checkpoint loader still skips the vision tower and image input is not
-served. This is the encoder alone, computing what transformers' `Qwen3_5MoeVisionModel` computes.
+The checkpoint loader builds it as `model.visual` (nibble/checkpoint/loader.py) and the engine runs it at an
+image request's first prefill chunk. It computes what transformers' `Qwen3_5MoeVisionModel` computes.
 
     pixel_values [num_patches, C*T*P*P], grid_thw [num_images, 3] -> embeddings [num_patches / merge^2, out_hidden]
 

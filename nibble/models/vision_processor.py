@@ -18,7 +18,7 @@ The prompt gets grid_t * grid_h * grid_w / merge_size**2 image placeholder token
 `decode_image` turns a `data:` URL or raw bytes into the RGB image this expects (EXIF orientation applied,
 transparency composited onto white as the processor does).
 
-Building blocks for image input: exact against transformers, not yet wired into the engine or the server.
+Exact against transformers; the offline API (nibble/engine/llm.py) preprocesses with it, the server not yet.
 PIL is imported inside functions so that `import nibble` does not need it.
 """
 

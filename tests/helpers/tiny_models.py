@@ -98,9 +98,37 @@ def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+TINY_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "in_channels": 3,
+               "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16,
+               "hidden_act": "gelu_pytorch_tanh"}
+
+
+def _vision_tensors(hidden: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A complete random vision tower (transformers' `Qwen3_5MoeVisionModel`, TINY_VISION, output width
+    `hidden`) as `model.visual.*` tensors, at scales that keep its output O(1)."""
+    _transformers()
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    with torch.random.fork_rng(devices=[]):
+        tower = Qwen3_5MoeVisionModel(Qwen3_5MoeVisionConfig(**TINY_VISION, out_hidden_size=hidden))
+    gen = torch.Generator().manual_seed(seed + 2)
+    out = {}
+    for name, p in tower.state_dict().items():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.dim() == 1:
+            value = 1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.1 * noise
+        elif name == "pos_embed.weight":
+            value = 0.5 * noise
+        else:
+            value = noise / p[0].numel() ** 0.5
+        out[f"model.visual.{name}"] = value.to(dtype)
+    return out
+
+
 def _extra_tensors(tensors: dict[str, torch.Tensor], text_config: dict[str, Any], seed: int,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dummy vision tower tensors and a one-layer MTP head shaped like the model's last full-attention
+    """A random tiny vision tower and a one-layer MTP head shaped like the model's last full-attention
     layer, so that the multimodal layout carries everything the published checkpoints do."""
     gen = torch.Generator().manual_seed(seed + 1)
     hidden = text_config["hidden_size"]
@@ -109,10 +137,7 @@ def _extra_tensors(tensors: dict[str, torch.Tensor], text_config: dict[str, Any]
         return (0.05 * torch.randn(shape, generator=gen)).to(dtype)
 
     out = {
-        "model.visual.patch_embed.proj.weight": rand(16, 3, 2, 4, 4),
-        "model.visual.blocks.0.attn.qkv.weight": rand(48, 16),
-        "model.visual.blocks.0.attn.qkv.bias": rand(48),
-        "model.visual.merger.linear_fc2.weight": rand(hidden, 64),
+        **_vision_tensors(hidden, seed, dtype),
         "mtp.fc.weight": rand(hidden, 2 * hidden),
         "mtp.pre_fc_norm_embedding.weight": rand(hidden),
         "mtp.pre_fc_norm_hidden.weight": rand(hidden),
@@ -136,11 +161,11 @@ def _multimodal_config(text: dict[str, Any]) -> dict[str, Any]:
         "dtype": text.get("dtype", "float32"),
         "image_token_id": text["vocab_size"] - 3,
         "video_token_id": text["vocab_size"] - 2,
+        "vision_start_token_id": text["vocab_size"] - 5,
+        "vision_end_token_id": text["vocab_size"] - 4,
         "text_config": text,
         "tie_word_embeddings": False,
-        "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 16,
-                          "intermediate_size": 32, "num_heads": 2, "in_channels": 3, "patch_size": 4,
-                          "temporal_patch_size": 2, "spatial_merge_size": 2,
+        "vision_config": {"model_type": "qwen3_5_moe_vision", **TINY_VISION,
                           "out_hidden_size": text["hidden_size"], "deepstack_visual_indexes": []},
     }
 

@@ -1,0 +1,166 @@
+"""Image input end to end: nibble's offline engine against transformers' `Qwen3_5MoeForConditionalGeneration`.
+
+A tiny random multimodal checkpoint (vision tower included) is loaded by both, unquantized and quantized by
+`nibble quantize` (transformers then runs the dequantized weights); greedy generations for prompts with one
+image and with two images and text between them must agree token for token, alone, batched with a text
+request, and with prefill chunks that cut inside an image's placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nibble.checkpoint.quantize import quantize_checkpoint
+from nibble.checkpoint.safetensors_io import iter_tensors, list_shards
+from nibble.engine.llm import LLM
+from nibble.engine.llm_engine import RequestError
+from nibble.engine.sampling_params import SamplingParams
+from nibble.models.multimodal import ImageInputs
+from nibble.models.vision_processor import ImageProcessorParams, preprocess_images
+from tests.helpers.tiny_models import _dequantized, _fuse_experts, _transformers, make_tiny_qwen35_moe
+
+MAX_TOKENS = 8
+# tiny images: 4-pixel patches, 2x2 merge; 16x24 and 24x32 pixels give 6 and 12 image tokens
+PROCESSOR = ImageProcessorParams(min_pixels=64, max_pixels=32 * 32, patch_size=4)
+
+
+def _reference(model_dir: Path) -> Any:
+    """transformers' multimodal model holding the checkpoint (NVFP4 weights dequantized), fp32, eval."""
+    transformers = _transformers()
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    config = transformers.Qwen3_5MoeConfig(**raw)
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    tensors = {n: t for n, t, _ in iter_tensors(list_shards(model_dir)) if not n.startswith("mtp.")}
+    model.load_state_dict(_fuse_experts(_dequantized(tensors)), strict=True)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module", params=["fp32", "nvfp4"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    base = tmp_path_factory.mktemp(f"vl-{request.param}")
+    model_dir = make_tiny_qwen35_moe(base / "fp32", multimodal=True, seed=5)
+    if request.param == "nvfp4":
+        quantize_checkpoint(model_dir, base / "nvfp4", progress=False)
+        model_dir = base / "nvfp4"
+    return model_dir, _reference(model_dir)
+
+
+def _images(sizes: list[tuple[int, int]], seed: int) -> ImageInputs:
+    gen = torch.Generator().manual_seed(seed)
+    arrays = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy() for h, w in sizes]
+    return ImageInputs(*preprocess_images(arrays, PROCESSOR))
+
+
+def _prompt(llm: LLM, images: ImageInputs, seed: int) -> list[int]:
+    """Random text with `<vision_start><image_pad><vision_end>` per image, text between, expanded."""
+    raw = json.loads((Path(llm.engine.model_dir) / "config.json").read_text())
+    start, end, pad = raw["vision_start_token_id"], raw["vision_end_token_id"], raw["image_token_id"]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, start, (5,), generator=gen).tolist()
+    for _ in range(images.num_images):
+        ids += [start, pad, end, *torch.randint(0, start, (4,), generator=gen).tolist()]
+    return llm.engine.expand_image_prompt(ids, images)
+
+
+def _expected(reference: Any, prompt: list[int], images: ImageInputs | None) -> list[int]:
+    ids = torch.tensor([prompt])
+    kwargs = {} if images is None else {"pixel_values": images.pixel_values, "image_grid_thw": images.grid_thw,
+                                        "mm_token_type_ids": (ids == reference.config.image_token_id).int()}
+    with torch.no_grad():
+        out = reference.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def _generate(llm: LLM, prompts: list[list[int]], images: list[ImageInputs | None]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = []
+    for i, (prompt, im) in enumerate(zip(prompts, images)):
+        ids.append(f"r{i}")
+        llm.engine.add_request(f"r{i}", prompt, params, images=im)
+    done: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert llm.engine.blocks.all_free()
+    return [done[r] for r in ids]
+
+
+@pytest.mark.parametrize("budget", [64, 8])
+def test_image_generation_matches_transformers(checkpoint: tuple[Path, Any], budget: int) -> None:
+    """One image, two images with text between, and a text prompt, batched; budget 8 cuts the prefill
+    inside the images' tokens (6 and 12 of them)."""
+    model_dir, reference = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=budget, max_model_len=96)
+    one = _images([(16, 24)], seed=1)
+    two = _images([(24, 32), (16, 24)], seed=2)
+    prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))]
+    images = [one, two, None]
+    got = _generate(llm, prompts, images)
+    for prompt, im, tokens in zip(prompts, images, got):
+        assert tokens == _expected(reference, prompt, im)
+
+
+def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
+    model_dir, _ = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96)
+    one = _images([(16, 24)], seed=1)
+    prompt = _prompt(llm, one, 3)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        llm.engine.add_request("a", prompt, SamplingParams(prompt_logprobs=1), images=one)
+    with pytest.raises(RequestError, match="placeholder"):
+        llm.engine.add_request("b", prompt[:-8], SamplingParams(), images=one)
+    req = llm.engine.add_request("c", prompt, SamplingParams(max_tokens=1), images=one)
+    assert not req.cacheable and req.mrope_delta < 0
+    llm.engine.abort_request("c")
+
+
+def test_generate_with_multi_modal_data(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    """LLM.generate with vLLM's prompt dict: raw images (an array and a PNG data URL) preprocessed with the
+    checkpoint's processor settings, one placeholder per image expanded; same tokens as transformers."""
+    import base64
+    import io
+    import shutil
+
+    from PIL import Image
+
+    model_dir, reference = checkpoint
+    local = tmp_path / "model"
+    shutil.copytree(model_dir, local)
+    (local / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": PROCESSOR.min_pixels, "max_pixels": PROCESSOR.max_pixels, "patch_size": 4}))
+    llm = LLM(model=str(local), device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=96)
+    gen = torch.Generator().manual_seed(7)
+    arrays = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
+              for h, w in [(16, 24), (24, 16)]]
+    buf = io.BytesIO()
+    Image.fromarray(arrays[1]).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    raw = json.loads((local / "config.json").read_text())
+    start, end, pad = raw["vision_start_token_id"], raw["vision_end_token_id"], raw["image_token_id"]
+    ids = [3, 4, start, pad, end, 5, 6, start, pad, end, 7]
+    (out,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [arrays[0], url]}},
+                          SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    images = ImageInputs(*preprocess_images(arrays, PROCESSOR))
+    prompt = llm.engine.expand_image_prompt(ids, images)
+    assert out.prompt_token_ids == prompt
+    assert out.outputs[0].token_ids == _expected(reference, prompt, images)
+
+
+def test_chat_image_parts_become_template_placeholders() -> None:
+    from nibble.engine.llm import VISION_PLACEHOLDER, _take_images
+
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x"}},
+        {"type": "image", "image": "IMG"}, {"type": "text", "text": "b"}]}]
+    conv, images = _take_images(messages)
+    assert images == ["data:x", "IMG"]
+    assert [p["text"] for p in conv[0]["content"]] == ["a", VISION_PLACEHOLDER, VISION_PLACEHOLDER, "b"]
