@@ -19,11 +19,9 @@ from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.tokenizer import Tokenizer
-from nibble.models.multimodal import ImageInputs
-from nibble.models.vision_processor import decode_image, preprocess_images
+from nibble.models.multimodal import take_images
 
 Prompt = str | list[int] | dict[str, Any]
-VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class LLM:
@@ -76,7 +74,7 @@ class LLM:
                 rid = f"offline-{self._counter}"
                 prompt, raw_images = p
                 if raw_images:
-                    prompt, images = self._with_images(prompt, raw_images)
+                    prompt, images = self.engine.prepare_images(prompt, raw_images)
                     self.engine.add_request(rid, prompt, copy, images=images)
                 else:
                     self.engine.add_request(rid, prompt, copy)
@@ -105,26 +103,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conv in conversations:
-            conv, images = _take_images(conv)  # type: ignore[arg-type]
+            conv, images = take_images(conv)  # type: ignore[arg-type]
             text = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                            enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _with_images(self, prompt: str | list[int], raw: list[Any]) -> tuple[list[int], ImageInputs]:
-        """Tokenize, preprocess the images with the model's processor settings and expand each image's single
-        placeholder to its token count."""
-        from nibble.engine.llm_engine import RequestError
-
-        if self.engine.image_processor is None:
-            raise RequestError("this model does not take image input")
-        try:
-            decoded = [decode_image(im) if isinstance(im, (str, bytes)) else im for im in raw]
-            images = ImageInputs(*preprocess_images(decoded, self.engine.image_processor))
-        except ValueError as exc:
-            raise RequestError(f"images: {exc}") from None
-        ids = self.get_tokenizer().encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
-        return self.engine.expand_image_prompt(list(ids), images), images
 
     @staticmethod
     def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], list[Any]]]:
@@ -147,33 +130,6 @@ class LLM:
             else:
                 out.append((list(p), []))
         return out
-
-
-def _take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The conversation with each image content part replaced by a text part holding the template's vision
-    placeholder (the chat template renders an image exactly so, and joins parts with no separator), and the
-    images in order: data-URL strings of image_url parts, the `image` value of image parts."""
-    images: list[Any] = []
-    out = []
-    for msg in messages:
-        content = msg.get("content")
-        if not isinstance(content, list):
-            out.append(msg)
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                url = part.get("image_url")
-                images.append(url.get("url") if isinstance(url, dict) else url)
-            elif kind == "image":
-                images.append(part.get("image"))
-            else:
-                parts.append(part)
-                continue
-            parts.append({"type": "text", "text": VISION_PLACEHOLDER})
-        out.append({**msg, "content": parts})
-    return out, images
 
 
 def _copy(sp: SamplingParams) -> SamplingParams:

@@ -26,6 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
 from nibble.models.mrope import MRopeParams, mrope_positions
 from nibble.models.multimodal import ImageInputs, expand_image_tokens
-from nibble.models.vision_processor import ImageProcessorParams, ProcessedImage
+from nibble.models.vision_processor import ImageProcessorParams, ProcessedImage, decode_image, preprocess_images
 
 logger = logging.getLogger("nibble.engine")
 
@@ -351,6 +352,23 @@ class LLMEngine:
             return expand_image_tokens(prompt_ids, self.mrope.image_token_id, counts)
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
+
+    def prepare_images(self, prompt: str | list[int], raw_images: list[Any]) -> tuple[list[int], ImageInputs]:
+        """A prompt with one placeholder per image (as the chat template writes them) and its raw images (PIL
+        images, RGB arrays, data URLs, bytes) as add_request takes them: token ids with each placeholder
+        expanded, and the preprocessed images. RequestError for a bad image or a model without image input."""
+        if self.image_processor is None:
+            raise RequestError("this model does not take image input (no vision tower loaded)")
+        try:
+            decoded = [decode_image(im) if isinstance(im, (str, bytes)) else im for im in raw_images]
+            images = ImageInputs(*preprocess_images(decoded, self.image_processor))
+        except ValueError as exc:
+            raise RequestError(f"images: {exc}") from None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids as the prompt")
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.expand_image_prompt(list(prompt), images), images
 
     def check_priority(self, params: SamplingParams) -> None:
         """Refuse a request priority other than 0 unless the engine schedules by priority, as vLLM does: under

@@ -103,3 +103,35 @@ def chunk_positions(mrope_positions: torch.Tensor | None, delta: int, start: int
     if mrope_positions is not None and start < prompt_len:
         out = torch.cat([mrope_positions[:, start:min(end, prompt_len)], out], dim=1)
     return out
+
+
+# How Qwen3.5's chat template renders one image (add_vision_id off): its placeholder, expanded to the image's token
+# count after tokenization (`expand_image_prompt`).
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with each image content part replaced by a text part holding the template's vision
+    placeholder (the chat template renders an image exactly so, and joins parts with no separator), and the
+    images in order: data-URL strings of image_url parts, the `image` value of image parts."""
+    images: list[Any] = []
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out.append(msg)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+            elif kind == "image":
+                images.append(part.get("image"))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "text", "text": VISION_PLACEHOLDER})
+        out.append({**msg, "content": parts})
+    return out, images

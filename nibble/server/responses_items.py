@@ -54,8 +54,8 @@ def _text_of(content: Any, where: str) -> str:
             raise ItemError(loc, "must be an object like {'type': 'input_text', 'text': ...}")
         kind = part.get("type")
         if kind not in _TEXT_PARTS:
-            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported; nibble serves text only so far "
-                                           f"(input_text, output_text)")
+            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported here yet (input_text, "
+                                           f"output_text); images: /v1/chat/completions image_url parts")
         key = "refusal" if kind == "refusal" else "text"
         text = part.get(key)
         if not isinstance(text, str):

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from nibble.engine.llm_engine import RequestError
+from nibble.models.multimodal import ImageInputs, take_images
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import ClientDisconnected, bad_request
@@ -83,6 +85,14 @@ class ChatServing(OpenAIServing):
             kwargs["enable_thinking"] = top
         return kwargs
 
+    def _prepare_images(self, ids: list[int], raw_images: list[Any]) -> tuple[list[int], ImageInputs]:
+        """The prompt with its image placeholders expanded and the preprocessed images (data URLs only: the
+        server fetches nothing); a bad image or a model without a vision tower is a 400 naming messages."""
+        try:
+            return self.core.prepare_images(ids, raw_images)
+        except RequestError as exc:
+            raise bad_request(str(exc), param="messages") from None
+
     def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:
         """The grammar that forces the tool call `tool_choice` asks for ("required" or a named function), or
         None; a 400 when there is nothing to call."""
@@ -111,9 +121,14 @@ class ChatServing(OpenAIServing):
             self.check_model(req.model)
             self.require_tokenizer()
             kwargs = self._template_kwargs(req, body)
+            # image parts become the template's vision placeholder, expanded to each image's tokens after tokenizing
+            messages, raw_images = take_images(req.messages)
             # Rendering and tokenizing a long conversation takes milliseconds: keep the event loop free.
-            prompt, ids = await asyncio.to_thread(self.render_chat, req.messages, req.tools_for_template,
+            prompt, ids = await asyncio.to_thread(self.render_chat, messages, req.tools_for_template,
                                                   req.add_generation_prompt, kwargs, req.continue_final_message)
+            images = await asyncio.to_thread(self._prepare_images, ids, raw_images) if raw_images else None
+            if images is not None:
+                ids, images = images
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
@@ -128,7 +143,7 @@ class ChatServing(OpenAIServing):
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
-            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p)
+            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p, images)
                     for j, p in enumerate(self.choice_params(params, req.n))]
             streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)

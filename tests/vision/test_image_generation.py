@@ -156,11 +156,68 @@ def test_generate_with_multi_modal_data(checkpoint: tuple[Path, Any], tmp_path: 
 
 
 def test_chat_image_parts_become_template_placeholders() -> None:
-    from nibble.engine.llm import VISION_PLACEHOLDER, _take_images
+    from nibble.models.multimodal import VISION_PLACEHOLDER, take_images
 
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x"}},
         {"type": "image", "image": "IMG"}, {"type": "text", "text": "b"}]}]
-    conv, images = _take_images(messages)
+    conv, images = take_images(messages)
     assert images == ["data:x", "IMG"]
     assert [p["text"] for p in conv[0]["content"]] == ["a", VISION_PLACEHOLDER, VISION_PLACEHOLDER, "b"]
+
+
+def test_chat_image_over_http(tmp_path: Path) -> None:
+    """An image_url part (a PNG data URL) on /v1/chat/completions: the prompt is the chat template's with the
+    image's placeholders expanded, and the greedy answer is transformers' for it; a remote URL is a 400."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from nibble.engine.async_engine import AsyncEngine
+    from nibble.engine.config import EngineConfig
+    from tests.helpers.server import start_server
+
+    demo_tokenizer = Path(__file__).resolve().parents[2] / "nibble" / "assets" / "demo_tokenizer"
+    model_dir = make_tiny_qwen35_moe(tmp_path / "vl", multimodal=True, seed=5, vocab_size=1024,
+                                     tokenizer_dir=demo_tokenizer)
+    raw = json.loads((model_dir / "config.json").read_text())
+    # the demo tokenizer's vision tokens
+    raw.update(vision_start_token_id=1000, vision_end_token_id=1001, image_token_id=1003)
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": PROCESSOR.min_pixels, "max_pixels": PROCESSOR.max_pixels, "patch_size": 4}))
+    array = torch.randint(0, 256, (16, 24, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", max_model_len=128,
+                                                  block_size=4, max_num_batched_tokens=16))
+    handle = start_server(engine)
+    try:
+        body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                        "chat_template_kwargs": {"enable_thinking": False}, "logprobs": True}
+        r = httpx.post(handle.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        tok = engine.engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": "What is this?<|vision_start|><|image_pad|>"
+                                                                    "<|vision_end|>"}], enable_thinking=False)
+        images = ImageInputs(*preprocess_images([array], PROCESSOR))
+        prompt = engine.engine.expand_image_prompt(tok.encode(text, add_special_tokens=False), images)
+        assert out["usage"]["prompt_tokens"] == len(prompt) == len(tok.encode(text)) - 1 + 6
+        expected = _expected(_reference(model_dir), prompt, images)
+        # the answer's tokens: as many as transformers generated, and the same text
+        assert len(out["choices"][0]["logprobs"]["content"]) == len(expected) == MAX_TOKENS
+        assert out["choices"][0]["message"]["content"] == tok.decode(expected)
+        remote = {**body, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
+        r = httpx.post(handle.url + "/v1/chat/completions", json=remote, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    finally:
+        handle.stop()
+        engine.shutdown()
