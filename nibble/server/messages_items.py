@@ -32,8 +32,8 @@ class BlockError(ValueError):
 # end the prompt's cached prefix at its first tokens. It means nothing to the model, so it is dropped.
 BILLING_HEADER = "x-anthropic-billing-header:"
 
-_TEXT_ONLY = ("not supported on /v1/messages yet (images: /v1/chat/completions image_url parts; documents: "
-              "not at all)")
+_TEXT_ONLY = ("not supported on /v1/messages yet (images: /v1/chat/completions image_url or /v1/responses "
+              "input_image parts; documents: not at all)")
 # Blocks that carry media, or the results of Anthropic's server tools, which nibble does not run.
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 

@@ -54,14 +54,33 @@ def _text_of(content: Any, where: str) -> str:
             raise ItemError(loc, "must be an object like {'type': 'input_text', 'text': ...}")
         kind = part.get("type")
         if kind not in _TEXT_PARTS:
-            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported here yet (input_text, "
-                                           f"output_text); images: /v1/chat/completions image_url parts")
+            raise ItemError(f"{loc}.type", f"content type {kind!r} is not supported here (input_text, "
+                                           f"output_text; input_image in user messages)")
         key = "refusal" if kind == "refusal" else "text"
         text = part.get(key)
         if not isinstance(text, str):
             raise ItemError(f"{loc}.{key}", "must be a string")
         texts.append(text)
     return "".join(texts)
+
+
+def _user_content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content: its text (`_text_of`), or, when it holds input_image parts, chat content parts
+    (text, and image_url for each image, in order) for the chat handler's image path."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ItemError(f"{where}[{j}].image_url", "images are taken as image_url data URLs (file_id "
+                                                           "images are not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}[{j}]")})
+    return parts
 
 
 def _reasoning_of(item: dict[str, Any], where: str) -> str:
@@ -140,7 +159,9 @@ def input_to_messages(items: list[Any], first_index: int = 0) -> list[dict[str, 
             role = item.get("role")
             if role not in _INPUT_ROLES:
                 raise ItemError(f"{loc}.role", f"must be one of {', '.join(_INPUT_ROLES)}, got {role!r}")
-            text = _text_of(item.get("content"), f"{loc}.content")
+            content = item.get("content")
+            text = _user_content_of(content, f"{loc}.content") if role == "user" else \
+                _text_of(content, f"{loc}.content")
             if role == "assistant":
                 turn = conv.assistant(closed_by=("content", "tool_calls"))
                 turn["content"] = text

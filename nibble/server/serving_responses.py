@@ -18,7 +18,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from nibble.engine.llm_engine import RequestError
 from nibble.engine.request import RequestOutput
+from nibble.models.multimodal import take_images
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request
@@ -155,7 +157,14 @@ class ResponsesServing(ChatServing):
             raise bad_request(str(exc), param=exc.param) from None
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs = self._template_kwargs_of(req, chat, chat_body)
-        prompt, ids = await asyncio.to_thread(self.render_chat, chat.messages, chat.tools_for_template, True, kwargs)
+        messages, raw_images = take_images(chat.messages)
+        prompt, ids = await asyncio.to_thread(self.render_chat, messages, chat.tools_for_template, True, kwargs)
+        images = None
+        if raw_images:
+            try:
+                ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
+            except RequestError as exc:
+                raise bad_request(str(exc), param="input") from None
         self.check_length(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         room = self.max_model_len - len(ids)
         max_tokens = req.max_output_tokens or min(room, self.default_max_new_tokens or room)
@@ -172,7 +181,7 @@ class ResponsesServing(ChatServing):
             temperature=params.temperature, top_p=params.top_p, top_logprobs=req.top_logprobs,
             max_output_tokens=req.max_output_tokens, store=req.store and self.store.enabled,
             metadata=req.metadata or {}, user=req.user)
-        streams = self.engine_streams([EngineJob(request_id, ids, params)])
+        streams = self.engine_streams([EngineJob(request_id, ids, params, images)])
         await wait_unless_disconnected(streams.start(), request)
         input_items = [*history, *input_items_with_ids(req.input)]
         return _Job(req, chat, len(ids), thinking, streams, response, input_items)

@@ -168,7 +168,8 @@ def test_chat_image_parts_become_template_placeholders() -> None:
 
 def test_chat_image_over_http(tmp_path: Path) -> None:
     """An image_url part (a PNG data URL) on /v1/chat/completions: the prompt is the chat template's with the
-    image's placeholders expanded, and the greedy answer is transformers' for it; a remote URL is a 400."""
+    image's placeholders expanded, and the greedy answer is transformers' for it; a remote URL is a 400. The same
+    image as an input_image part on /v1/responses gives the same prompt and answer."""
     import base64
     import io
 
@@ -214,6 +215,18 @@ def test_chat_image_over_http(tmp_path: Path) -> None:
         # the answer's tokens: as many as transformers generated, and the same text
         assert len(out["choices"][0]["logprobs"]["content"]) == len(expected) == MAX_TOKENS
         assert out["choices"][0]["message"]["content"] == tok.decode(expected)
+        # /v1/responses: an input_image part of a user message is the same request
+        rbody = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                                        {"type": "input_image", "image_url": url}]}],
+                 "max_output_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                 "reasoning": {"effort": "none"}}
+        r = httpx.post(handle.url + "/v1/responses", json=rbody, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] == len(prompt)
+        assert r.json()["output"][-1]["content"][0]["text"] == tok.decode(expected)
+        rbody["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
+        r = httpx.post(handle.url + "/v1/responses", json=rbody, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[1].image_url", r.text
         remote = {**body, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
         r = httpx.post(handle.url + "/v1/chat/completions", json=remote, timeout=60)
