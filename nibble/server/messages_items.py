@@ -32,8 +32,7 @@ class BlockError(ValueError):
 # end the prompt's cached prefix at its first tokens. It means nothing to the model, so it is dropped.
 BILLING_HEADER = "x-anthropic-billing-header:"
 
-_TEXT_ONLY = ("not supported on /v1/messages yet (images: /v1/chat/completions image_url or /v1/responses "
-              "input_image parts; documents: not at all)")
+_TEXT_ONLY = "not supported (text and image blocks are)"
 # Blocks that carry media, or the results of Anthropic's server tools, which nibble does not run.
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 
@@ -91,7 +90,7 @@ class _Conversation:
 
     def user(self, blocks: list[Any], where: str) -> None:
         """Text blocks in a row become one user message, each tool_result a tool message, in their order."""
-        texts: list[dict[str, str]] = []
+        texts: list[dict[str, Any]] = []
 
         def flush() -> None:
             if texts:
@@ -103,6 +102,9 @@ class _Conversation:
             kind = _block_kind(block, loc)
             if kind == "text":
                 texts.append({"type": "text", "text": _block_str(block, "text", loc)})
+            elif kind == "image":
+                # the chat handler's image path takes it from here (multimodal.take_images)
+                texts.append({"type": "image_url", "image_url": {"url": _image_url(block, loc)}})
             elif kind == "tool_result":
                 flush()
                 tool_id = _block_str(block, "tool_use_id", loc)
@@ -144,6 +146,21 @@ class _Conversation:
                 raise BlockError(f"{loc}.type", "'tool_result' blocks belong in user messages")
             else:
                 raise _unsupported_block(kind, loc)
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL, a url source as given (only data URLs are
+    then taken: the server fetches nothing)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise BlockError(f"{where}.source", "must be an object ({'type': 'base64', 'media_type', 'data'})")
+    if source.get("type") == "base64":
+        media_type, data = _block_str(source, "media_type", f"{where}.source"), _block_str(source, "data",
+                                                                                           f"{where}.source")
+        return f"data:{media_type};base64,{data}"
+    if source.get("type") == "url":
+        return _block_str(source, "url", f"{where}.source")
+    raise BlockError(f"{where}.source.type", f"must be 'base64' or 'url', got {source.get('type')!r}")
 
 
 def _block_kind(block: Any, where: str) -> Any:

@@ -21,7 +21,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from nibble.engine.llm_engine import RequestError
 from nibble.engine.request import CompletionOutput, RequestOutput
+from nibble.models.multimodal import ImageInputs, take_images
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
@@ -151,18 +153,25 @@ class MessagesServing(ChatServing):
             kwargs["enable_thinking"] = enable
         return kwargs, omit
 
-    async def _render(self, req: CountTokensRequest,
-                      body: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], bool, bool]:
-        """(chat request, the prompt's token ids, whether the prompt leaves the model thinking, whether thinking
-        text is omitted)."""
+    async def _render(self, req: CountTokensRequest, body: dict[str, Any]
+                      ) -> tuple[ChatCompletionRequest, list[int], bool, bool, ImageInputs | None]:
+        """(chat request, the prompt's token ids (image placeholders expanded), whether the prompt leaves the
+        model thinking, whether thinking text is omitted, the preprocessed images or None)."""
         self.check_model(req.model)
         self.require_tokenizer()
         chat_body = self._chat_body(req, body)
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs, omit = self._template_kwargs_of(req, chat, chat_body)
-        prompt, ids = await asyncio.to_thread(self.render_chat, chat.messages, chat.tools_for_template, True, kwargs)
+        messages, raw_images = take_images(chat.messages)
+        prompt, ids = await asyncio.to_thread(self.render_chat, messages, chat.tools_for_template, True, kwargs)
+        images = None
+        if raw_images:
+            try:
+                ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
+            except RequestError as exc:
+                raise invalid_request(f"messages: {exc}", param="messages") from None
         thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
-        return chat, ids, thinking, omit
+        return chat, ids, thinking, omit, images
 
     def _error(self, request_id: str, exc: BaseException, start: float) -> AnthropicError:
         return AnthropicError.of(self.fail(request_id, exc, start), _PARAM_NAMES)
@@ -173,7 +182,7 @@ class MessagesServing(ChatServing):
         request_id = message_id()
         try:
             req = parse_model(CountTokensRequest, body)
-            _, ids, _, _ = await wait_unless_disconnected(self._render(req, body), request)
+            _, ids, _, _, _ = await wait_unless_disconnected(self._render(req, body), request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
@@ -182,13 +191,13 @@ class MessagesServing(ChatServing):
 
     async def _prepare(self, req: MessagesRequest, body: dict[str, Any], request_id: str, request: Request) -> _Job:
         reject_unsupported(body, MESSAGES_UNSUPPORTED_FIELDS)
-        chat, ids, thinking, omit = await self._render(req, body)
+        chat, ids, thinking, omit, images = await self._render(req, body)
         self.check_length(len(ids), None, "messages")
         max_tokens = min(req.max_tokens, self.max_model_len - len(ids))
         structured = await self.structured_outputs(chat, after_reasoning=thinking,
                                                    tool_grammar=self._tool_grammar(chat))
         params = self.sampling_params(chat, max_tokens, None, structured)
-        streams = self.engine_streams([EngineJob(request_id, ids, params)])
+        streams = self.engine_streams([EngineJob(request_id, ids, params, images)])
         await wait_unless_disconnected(streams.start(), request)
         return _Job(req, chat, len(ids), thinking, omit, streams, request_id)
 

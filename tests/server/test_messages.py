@@ -334,8 +334,11 @@ def body(**fields: Any) -> dict[str, Any]:
     (body(max_tokens=0), "max_tokens"),
     (body(messages=[]), "messages"),
     (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    # the demo model has no vision tower (images: tests/vision/test_image_generation.py)
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]),
-     "messages[0].content[0].type"),
+     "messages: this model does not take image input"),
+    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]),
+     "messages[0].content[0].source.type"),
     (body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
      "messages[0].content[0].type"),
     (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [

@@ -227,6 +227,17 @@ def test_chat_image_over_http(tmp_path: Path) -> None:
         rbody["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
         r = httpx.post(handle.url + "/v1/responses", json=rbody, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[1].image_url", r.text
+        # /v1/messages: a base64 image block
+        b64 = url.split(",", 1)[1]
+        mbody = {"model": handle.model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                 "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": [
+                     {"type": "text", "text": "What is this?"},
+                     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}]}
+        r = httpx.post(handle.url + "/v1/messages", json=mbody, timeout=120)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(prompt)
+        assert r.json()["content"][-1]["text"] == tok.decode(expected)
         remote = {**body, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
         r = httpx.post(handle.url + "/v1/chat/completions", json=remote, timeout=60)
