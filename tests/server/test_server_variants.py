@@ -202,10 +202,10 @@ def test_priority_reaches_the_engine(model_kwargs: dict[str, Any], monkeypatch: 
     salts: list[str | None] = []
     real = eng.engine.add_request
 
-    def spy(request_id: str, prompt: Any, params: Any = None) -> Any:
+    def spy(request_id: str, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
         seen.append(params.priority)
         salts.append(params.cache_salt)
-        return real(request_id, prompt, params)
+        return real(request_id, prompt, params, **kwargs)
 
     monkeypatch.setattr(eng.engine, "add_request", spy)
     handle = start_server(eng)
