@@ -23,6 +23,7 @@ from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.engine.structured_output import StructuredOutputError, StructuredOutputsParams
+from nibble.models.multimodal import ImageInputs, take_images
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request, from_engine_error
 from nibble.server.metrics import ServerMetrics
@@ -181,6 +182,12 @@ def check_generation_error(out: RequestOutput) -> None:
         raise APIError(500, out.error or "generation failed", code="generation_error")
 
 
+def leaves_thinking(prompt: str, template_kwargs: dict[str, Any]) -> bool:
+    """Whether a rendered chat prompt leaves the model inside its think block (thinking not turned off, and no
+    closed think block at the prompt's end), so that its output starts with reasoning."""
+    return template_kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+
+
 def engine_core(engine: AsyncEngine) -> LLMEngine:
     """The synchronous engine behind `engine` (tokenizer, max_model_len, config...)."""
     return engine.engine
@@ -232,6 +239,23 @@ class OpenAIServing:
             param = next((p for p in ("tools", "continue_final_message") if message.startswith(p)), "messages")
             raise bad_request(message, param=param) from None
         return prompt, self.tokenizer.encode(prompt)
+
+    async def render_chat_with_images(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                                      add_generation_prompt: bool, template_kwargs: dict[str, Any],
+                                      continue_final_message: bool = False
+                                      ) -> tuple[str, list[int], ImageInputs | None]:
+        """`render_chat`, off the event loop, for messages that may hold image parts: each becomes the template's
+        vision placeholder, expanded after tokenizing to its image's token count, and the images are preprocessed
+        (data URLs only: the server fetches nothing). Returns (prompt text, token ids, images or None). A template
+        error is render_chat's 400; a bad image or a model without a vision tower raises RequestError, which the
+        caller names by its own field."""
+        messages, raw_images = take_images(messages)
+        prompt, ids = await asyncio.to_thread(self.render_chat, messages, tools, add_generation_prompt,
+                                              template_kwargs, continue_final_message)
+        if not raw_images:
+            return prompt, ids, None
+        ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
+        return prompt, ids, images
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
                      max_param: str = "max_tokens") -> None:

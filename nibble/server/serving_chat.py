@@ -3,7 +3,6 @@ reasoning, content and tool calls, streamed or not."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +11,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from nibble.engine.llm_engine import RequestError
-from nibble.models.multimodal import ImageInputs, take_images
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import ClientDisconnected, bad_request
@@ -35,6 +33,7 @@ from nibble.server.serving_base import (
     OpenAIServing,
     check_generation_error,
     json_response,
+    leaves_thinking,
     parse_model,
     reject_unsupported,
     usage_of,
@@ -85,14 +84,6 @@ class ChatServing(OpenAIServing):
             kwargs["enable_thinking"] = top
         return kwargs
 
-    def _prepare_images(self, ids: list[int], raw_images: list[Any]) -> tuple[list[int], ImageInputs]:
-        """The prompt with its image placeholders expanded and the preprocessed images (data URLs only: the
-        server fetches nothing); a bad image or a model without a vision tower is a 400 naming messages."""
-        try:
-            return self.core.prepare_images(ids, raw_images)
-        except RequestError as exc:
-            raise bad_request(str(exc), param="messages") from None
-
     def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:
         """The grammar that forces the tool call `tool_choice` asks for ("required" or a named function), or
         None; a 400 when there is nothing to call."""
@@ -121,14 +112,12 @@ class ChatServing(OpenAIServing):
             self.check_model(req.model)
             self.require_tokenizer()
             kwargs = self._template_kwargs(req, body)
-            # image parts become the template's vision placeholder, expanded to each image's tokens after tokenizing
-            messages, raw_images = take_images(req.messages)
-            # Rendering and tokenizing a long conversation takes milliseconds: keep the event loop free.
-            prompt, ids = await asyncio.to_thread(self.render_chat, messages, req.tools_for_template,
-                                                  req.add_generation_prompt, kwargs, req.continue_final_message)
-            images = await asyncio.to_thread(self._prepare_images, ids, raw_images) if raw_images else None
-            if images is not None:
-                ids, images = images
+            try:
+                prompt, ids, images = await self.render_chat_with_images(
+                    req.messages, req.tools_for_template, req.add_generation_prompt, kwargs,
+                    req.continue_final_message)
+            except RequestError as exc:
+                raise bad_request(str(exc), param="messages") from None
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
@@ -138,7 +127,7 @@ class ChatServing(OpenAIServing):
                 head = _before_final_content(prompt, req.messages[-1].get("content"))
                 thinking = head.rfind(THINK_START) > head.rfind(THINK_END)
             else:
-                thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+                thinking = leaves_thinking(prompt, kwargs)
             structured = await self.structured_outputs(req, after_reasoning=thinking,
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)

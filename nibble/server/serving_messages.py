@@ -13,7 +13,6 @@ window rather than by max_tokens stops with `model_context_window_exceeded`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +22,7 @@ from fastapi.responses import Response
 
 from nibble.engine.llm_engine import RequestError
 from nibble.engine.request import CompletionOutput, RequestOutput
-from nibble.models.multimodal import ImageInputs, take_images
+from nibble.models.multimodal import ImageInputs
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
@@ -50,11 +49,11 @@ from nibble.server.messages_protocol import (
 )
 from nibble.server.messages_stream import MessageEventWriter
 from nibble.server.protocol import ChatCompletionRequest
-from nibble.server.reasoning import THINK_END
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     check_generation_error,
     json_response,
+    leaves_thinking,
     parse_model,
     read_json_body,
     reject_unsupported,
@@ -162,15 +161,12 @@ class MessagesServing(ChatServing):
         chat_body = self._chat_body(req, body)
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs, omit = self._template_kwargs_of(req, chat, chat_body)
-        messages, raw_images = take_images(chat.messages)
-        prompt, ids = await asyncio.to_thread(self.render_chat, messages, chat.tools_for_template, True, kwargs)
-        images = None
-        if raw_images:
-            try:
-                ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
-            except RequestError as exc:
-                raise invalid_request(f"messages: {exc}", param="messages") from None
-        thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+        try:
+            prompt, ids, images = await self.render_chat_with_images(chat.messages, chat.tools_for_template, True,
+                                                                     kwargs)
+        except RequestError as exc:
+            raise invalid_request(f"messages: {exc}", param="messages") from None
+        thinking = leaves_thinking(prompt, kwargs)
         return chat, ids, thinking, omit, images
 
     def _error(self, request_id: str, exc: BaseException, start: float) -> AnthropicError:

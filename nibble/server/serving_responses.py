@@ -9,7 +9,6 @@ request says `store` (the default), so `previous_response_id` can continue a con
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +19,6 @@ from fastapi.responses import Response
 
 from nibble.engine.llm_engine import RequestError
 from nibble.engine.request import RequestOutput
-from nibble.models.multimodal import take_images
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request
@@ -50,6 +48,7 @@ from nibble.server.serving_base import (
     CLIENT_CLOSED,
     check_generation_error,
     json_response,
+    leaves_thinking,
     parse_model,
     wait_unless_disconnected,
 )
@@ -157,18 +156,15 @@ class ResponsesServing(ChatServing):
             raise bad_request(str(exc), param=exc.param) from None
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs = self._template_kwargs_of(req, chat, chat_body)
-        messages, raw_images = take_images(chat.messages)
-        prompt, ids = await asyncio.to_thread(self.render_chat, messages, chat.tools_for_template, True, kwargs)
-        images = None
-        if raw_images:
-            try:
-                ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
-            except RequestError as exc:
-                raise bad_request(str(exc), param="input") from None
+        try:
+            prompt, ids, images = await self.render_chat_with_images(chat.messages, chat.tools_for_template, True,
+                                                                     kwargs)
+        except RequestError as exc:
+            raise bad_request(str(exc), param="input") from None
         self.check_length(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         room = self.max_model_len - len(ids)
         max_tokens = req.max_output_tokens or min(room, self.default_max_new_tokens or room)
-        thinking = kwargs.get("enable_thinking") is not False and not prompt.rstrip().endswith(THINK_END)
+        thinking = leaves_thinking(prompt, kwargs)
         structured = await self.structured_outputs(chat, after_reasoning=thinking,
                                                    tool_grammar=self._tool_grammar(chat))
         logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,25 +158,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
-    port = _free_port()
-    argv = [sys.executable, "-m", "nibble.cli", "serve", "--model", model_kwargs["model"], "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "4",
-            "--served-model-name", "tiny", "--api-key", "sk-test", "--max-stored-responses", "0"]
-    env = {**os.environ, "NIBBLE_API_KEY": ""}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+@contextlib.contextmanager
+def _serve_process(args: list[str], url: str, verify: ssl.SSLContext | bool = True,
+                   env: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """`nibble serve ARGS` in a subprocess, polled on `url`/health until it answers (90 s at most); yields a list
+    that holds the process's whole output once it stopped (SIGINT), after the block. Its exit code must be 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "nibble.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
     try:
-        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while True:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", verify=verify, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
+        yield output
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        output.append(out)
+    assert proc.returncode == 0, out
+
+
+def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
+    port = _free_port()
+    args = ["--model", model_kwargs["model"], "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "tiny", "--api-key", "sk-test",
+            "--max-stored-responses", "0"]
+    url = f"http://127.0.0.1:{port}"
+    with _serve_process(args, url, env={**os.environ, "NIBBLE_API_KEY": ""}) as output:
         headers = {"Authorization": "Bearer sk-test"}
         r = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
@@ -184,15 +205,7 @@ def test_serve_process_end_to_end(model_kwargs: dict[str, Any]) -> None:
                        json={"model": "tiny", "input": "hi", "max_output_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3 and r.json()["store"] is False
         assert httpx.get(url + f"/v1/responses/{r.json()['id']}", headers=headers).status_code == 404
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    assert proc.returncode == 0, out
-    assert "cmpl-" in out and "completion 3 tokens" in out
+    assert "cmpl-" in output[0] and "completion 3 tokens" in output[0]
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
@@ -204,35 +217,15 @@ def test_https(tmp_path: Path) -> None:
                     str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     port = _free_port()
-    argv = [sys.executable, "-m", "nibble.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port",
-            str(port), "--max-model-len", "256", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
-            "--root-path", "/nb"]
+    args = ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+            "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/nb"]
+    url = f"https://127.0.0.1:{port}"
     trust = ssl.create_default_context(cafile=str(cert))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"https://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", verify=trust, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    with _serve_process(args, url, verify=trust) as output:
         assert httpx.get(url + "/v1/models", verify=trust).json()["data"][0]["id"] == "demo"
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    assert proc.returncode == 0, out
-    assert f"listening on https://127.0.0.1:{port}/nb" in out
+    assert f"listening on https://127.0.0.1:{port}/nb" in output[0]
     for argv, needle in ((["--ssl-keyfile", str(key)], "go together"),
                          (["--ssl-keyfile", str(key), "--ssl-certfile", str(key)], "cannot be used for HTTPS"),
                          (["--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "none.pem")], "no such file")):
