@@ -209,6 +209,7 @@ stage_specdecode() {  # decode with MTP drafts (own, and acceptance forced at 1.
   run specdecode 560 python3 benchmarks/spec_decode_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
     --ks ${SPEC_KS:-0,1,3} --batches ${SPEC_BATCHES:-1,8,32} --alphas ${SPEC_ALPHAS:-1.0,0.8,0.6} --out "$OUT/specdecode.json"
 }
+stage_visiontests() { NIBBLE_TEST_GPU=1 run visiontests 300 python3 -m pytest -q -s tests/gpu/test_vision_gpu.py -p no:cacheprovider -rf; }
 stage_mixedtests() { NIBBLE_TEST_GPU=1 run mixedtests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k mixed -p no:cacheprovider -rf; }
 stage_mixedbench() {  # short prefills / arrivals next to decoding requests: mixed-step CUDA graphs against eager steps
   run mixedbench 420 python3 benchmarks/mixed_graphs_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/mixedbench.json"

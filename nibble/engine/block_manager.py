@@ -143,9 +143,7 @@ class BlockManager:
             return None
         if request.sampling_params.prompt_logprobs is not None:
             return None  # the log-probabilities of the cached positions were never computed
-        if request.has_images:
-            return None  # image placeholder ids are the same for every image: equal ids, different inputs
-        entry = self.prefix.match(request.block_digests(self.block_size), request.prompt_token_ids,
+        entry = self.prefix.match(request.block_digests(self.block_size), request.prefix_key_ids,
                                   root=request.digest_root)
         if entry is not None:
             entry.round = self.round
@@ -194,7 +192,7 @@ class BlockManager:
         if request.awaits_cut_at is not None and request.awaits_cut_at[0] == self.prefix.version:
             return request.awaits_cut_at[1]
         digests = request.block_digests(self.block_size)
-        entry = self.prefix.match(digests, request.prompt_token_ids, touch=False, root=request.digest_root)
+        entry = self.prefix.match(digests, request.prefix_key_ids, touch=False, root=request.digest_root)
         awaits = self.prefix.awaits_split(digests, request.num_prompt_tokens, entry.num_tokens if entry else 0)
         request.awaits_cut_at = (self.prefix.version, awaits)
         return awaits
@@ -235,7 +233,7 @@ class BlockManager:
                 or num_tokens < self.prefix.min_split_tokens
                 or num_tokens > request.num_prompt_tokens + request.num_output_tokens):
             return
-        token_ids = request.prompt_token_ids + request.output_token_ids
+        token_ids = request.prefix_key_ids + request.output_token_ids
         depth = num_tokens // self.block_size
         digests = block_digests(token_ids[:depth * self.block_size], self.block_size,
                                 known=request.block_digests(self.block_size), root=request.digest_root)

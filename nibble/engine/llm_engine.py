@@ -50,7 +50,7 @@ from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
 from nibble.models.mrope import MRopeParams, mrope_positions
-from nibble.models.multimodal import ImageInputs, expand_image_tokens
+from nibble.models.multimodal import ImageInputs, expand_image_tokens, image_cache_ids
 from nibble.models.vision_processor import ImageProcessorParams, ProcessedImage, decode_image, preprocess_images
 
 logger = logging.getLogger("nibble.engine")
@@ -338,8 +338,8 @@ class LLMEngine:
         if req.images.pixel_values.shape[1] != patch_dim:
             raise RequestError(f"images: pixel_values rows must have {patch_dim} values, got "
                                f"{req.images.pixel_values.shape[1]}")
-        # placeholder ids are equal for different images: no prefix-cache entries from this request
-        req.cacheable = False
+        req.cache_prompt_ids = image_cache_ids(req.prompt_token_ids, self.mrope.image_token_id, req.images,
+                                               self.mrope.spatial_merge_size)
 
     def expand_image_prompt(self, prompt_ids: list[int], images: ImageInputs | tuple[torch.Tensor, torch.Tensor]
                             | list[ProcessedImage]) -> list[int]:

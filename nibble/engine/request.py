@@ -66,7 +66,8 @@ class Request:
     Image input (multimodal.py): `images` holds the preprocessed images, `mrope_positions` int64 [3, prompt
     len] the prompt's 3-D rotary positions and `mrope_delta` the offset from token index to position of every
     token after the prompt; `image_embeds` [image tokens, hidden] (on the device) is the vision tower's
-    output, computed at the request's first prefill chunk.
+    output, computed at the request's first prefill chunk; `cache_prompt_ids` is the prompt as the prefix
+    cache keys it, each placeholder replaced by an id of its image's content (`multimodal.image_cache_ids`).
     """
 
     request_id: str
@@ -98,6 +99,7 @@ class Request:
     mrope_positions: torch.Tensor | None = field(default=None, repr=False)
     mrope_delta: int = 0
     image_embeds: torch.Tensor | None = field(default=None, repr=False)
+    cache_prompt_ids: list[int] | None = field(default=None, repr=False)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
     # (prefix index version, answer) of the last BlockManager.awaits_cut
     awaits_cut_at: tuple[int, bool] | None = field(default=None, repr=False)
@@ -122,10 +124,16 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def prefix_key_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it: its token ids, image placeholders replaced by image ids."""
+        return self.prompt_token_ids if self.cache_prompt_ids is None else self.cache_prompt_ids
+
     def block_digests(self, block_size: int) -> list[bytes]:
-        """Chain digests of the prompt's full blocks (prefix_cache.block_digests), computed once."""
+        """Chain digests of the prompt's full blocks (prefix_cache.block_digests of `prefix_key_ids`), computed
+        once."""
         if self._block_digests is None:
-            self._block_digests = block_digests(self.prompt_token_ids, block_size, root=self.digest_root)
+            self._block_digests = block_digests(self.prefix_key_ids, block_size, root=self.digest_root)
         return self._block_digests
 
     @property

@@ -161,8 +161,7 @@ class Scheduler:
             entry = None
         block_copy = self.blocks.attach_prefix(req, entry) if entry is not None else None
         first = req.num_preemptions == 0
-        # image requests neither use nor create prefix-cache entries (BlockManager.match_prefix)
-        prefix = self.blocks.prefix if not req.has_images else None
+        prefix = self.blocks.prefix
         if prefix is not None and first:
             self.blocks.plan_split(req)
         n = self._chunk(req, budget)

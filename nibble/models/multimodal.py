@@ -16,6 +16,7 @@ positions and delta (mrope.py). A step then needs, for the rows of such requests
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,20 @@ class ImageInputs:
         """Placeholder tokens of each image: t * h * w / merge_size**2."""
         return [int(t * h * w) // merge_size ** 2 for t, h, w in self.grid_thw.tolist()]
 
+    def content_digests(self) -> list[bytes]:
+        """A 16-byte digest of each image's grid and pixel values (what the vision tower's output depends on)."""
+        out = []
+        start = 0
+        pixels = self.pixel_values.contiguous()
+        for grid in self.grid_thw.tolist():
+            n = grid[0] * grid[1] * grid[2]
+            h = hashlib.blake2b(digest_size=16, person=b"nibble-image")
+            h.update(str(grid).encode() + str(pixels.dtype).encode())
+            h.update(pixels[start:start + n].numpy().tobytes())
+            out.append(h.digest())
+            start += n
+        return out
+
 
 def expand_image_tokens(prompt_ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int]) -> list[int]:
     """Replace the i-th `image_token_id` of the prompt by num_tokens[i] of them (one placeholder per image in,
@@ -78,6 +93,32 @@ def expand_image_tokens(prompt_ids: Sequence[int], image_token_id: int, num_toke
             i += 1
         else:
             out.append(t)
+    return out
+
+
+def image_cache_ids(prompt_ids: Sequence[int], image_token_id: int, images: ImageInputs,
+                    merge_size: int) -> list[int]:
+    """The prompt as the prefix cache keys it: every image placeholder replaced by a negative id derived from
+    its image's content and its rank in the image (placeholder ids are the same for every image; token ids
+    are never negative). Two prompts share a cached prefix only where their text and images agree.
+
+    Rank j of an image with digest halves (a, b) gets -1 - ((a + j * b) mod 2**62), b odd: two different
+    images give one equal id at most at one rank, so a block with two or more of an image's tokens differs
+    unless both 62-bit halves do."""
+    digests = images.content_digests()
+    counts = images.num_tokens(merge_size)
+    out = list(prompt_ids)
+    mask = (1 << 62) - 1
+    image, rank = 0, 0
+    for p, t in enumerate(out):
+        if t != image_token_id:
+            continue
+        while rank == counts[image]:
+            image, rank = image + 1, 0
+        a = int.from_bytes(digests[image][:8], "little")
+        b = int.from_bytes(digests[image][8:], "little") | 1
+        out[p] = -1 - ((a + rank * b) & mask)
+        rank += 1
     return out
 
 

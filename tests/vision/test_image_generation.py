@@ -109,6 +109,36 @@ def test_image_generation_matches_transformers(checkpoint: tuple[Path, Any], bud
         assert tokens == _expected(reference, prompt, im)
 
 
+def test_image_prompts_share_cached_prefixes(checkpoint: tuple[Path, Any]) -> None:
+    """Prefix caching keys image placeholders by their image's content: the next turn of an image conversation
+    starts from the ended turn's entry, a prompt that differs only in its second image reuses nothing past the
+    first one, and both still generate transformers' tokens."""
+    model_dir, reference = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=96)
+    llm.engine.blocks.prefix.min_split_tokens = 8
+    two = _images([(24, 32), (16, 24)], seed=2)
+    first = _prompt(llm, two, 4)
+    (out,) = _generate(llm, [first], [two])
+    assert out == _expected(reference, first, two)
+
+    def hits() -> int:
+        return int(llm.engine.stats()["prefix_cache_hits"])
+
+    before = hits()
+    follow = first + out + [11, 12, 13, 14, 15]
+    (got,) = _generate(llm, [follow], [two])
+    assert hits() - before >= len(first)
+    assert got == _expected(reference, follow, two)
+
+    other = ImageInputs(torch.cat([two.pixel_values[:48], _images([(16, 24)], seed=9).pixel_values]), two.grid_thw)
+    assert not torch.equal(other.pixel_values, two.pixel_values)
+    second_image_at = [i for i, t in enumerate(first) if t == reference.config.image_token_id][12]
+    before = hits()
+    (got,) = _generate(llm, [first], [other])
+    assert hits() - before <= second_image_at
+    assert got == _expected(reference, first, other)
+
+
 def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
     model_dir, _ = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96)
@@ -119,7 +149,7 @@ def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
     with pytest.raises(RequestError, match="placeholder"):
         llm.engine.add_request("b", prompt[:-8], SamplingParams(), images=one)
     req = llm.engine.add_request("c", prompt, SamplingParams(max_tokens=1), images=one)
-    assert not req.cacheable and req.mrope_delta < 0
+    assert req.mrope_delta < 0 and req.cache_prompt_ids is not None and min(req.cache_prompt_ids) < 0
     llm.engine.abort_request("c")
 
 
