@@ -8,9 +8,9 @@ the model is built with its MTP head (speculative decoding), are skipped with on
 tensor must map onto a parameter, and every parameter must be filled.
 
 The vision tower (`model.visual.*`) is loaded into `model.visual` (nibble/models/qwen3_5_vision.py, in the
-model dtype) when config.json has a `vision_config` and the checkpoint the tower's tensors, on one device
-only (image input is not served under tensor parallelism); otherwise `model.visual` is None and the tensors
-are skipped.
+model dtype) when config.json has a `vision_config` and the checkpoint the tower's tensors, whole, on rank 0
+only under tensor parallelism (the step channel sends its rows to the other ranks); otherwise `model.visual`
+is None and the tensors are skipped.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def _check_has_mtp(model_dir: str | Path) -> None:
                           "text-only exports often drop them)")
 
 
-def _has_vision_config(model_dir: str | Path) -> bool:
+def has_vision_config(model_dir: str | Path) -> bool:
+    """Whether config.json describes a vision tower (a multimodal checkpoint's layout)."""
     path = Path(model_dir) / "config.json"
     return path.is_file() and isinstance(json.loads(path.read_text()).get("vision_config"), dict)
 
@@ -128,7 +129,7 @@ def load_vision_tower(model_dir: str | Path, *, dtype: torch.dtype,
     or the checkpoint no `model.visual.*` tensors. A tower that cannot be built (an incomplete vision_config,
     missing or mis-shaped tensors, as in text-only test exports that keep a stub) is skipped with a warning:
     text generation does not need it, image requests are then refused."""
-    if not _has_vision_config(model_dir):
+    if not has_vision_config(model_dir):
         return None
     shards = [(path, open_shard(path)) for path in list_shards(model_dir)]
     names = [(path, handle, n) for path, handle in shards for n in handle.keys()
@@ -181,8 +182,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *
     else:
         raise CheckpointError(f"unknown load format '{load_format}' (expected 'auto' or 'dummy')")
     model.finalize()
+    # under tensor parallelism rank 0 alone holds the tower (whole) and sends its rows with each step
     model.visual = (load_vision_tower(model_dir, dtype=dtype, device=device)
-                    if load_format == "auto" and not (parallel is not None and parallel.is_parallel) else None)
+                    if load_format == "auto" and (parallel is None or parallel.tp_rank == 0) else None)
     model.eval()
     where = f", rank {parallel.tp_rank} of {parallel.tp_size}" if parallel and parallel.is_parallel else ""
     logger.info("loaded %s (%s, %s%s) in %.1f s", Path(model_dir).name or config.architecture, load_format,

@@ -153,7 +153,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        # image input: only with a vision tower, which the loader builds on one device only
+        # image input: only with a vision tower (under tensor parallelism on rank 0, this process)
         self.mrope: MRopeParams | None = None
         self.image_processor: ImageProcessorParams | None = None
         if getattr(self.model, "visual", None) is not None:
@@ -321,8 +321,7 @@ class LLMEngine:
     def _attach_images(self, req: Request, images: object) -> None:
         """Give a request its images and 3-D positions, refusing what this version does not serve."""
         if self.mrope is None:
-            raise RequestError("this model has no vision tower (or runs under tensor parallelism, where image "
-                               "input is not served yet): image input is not supported")
+            raise RequestError("this model has no vision tower: image input is not supported")
         if self.num_spec_tokens:
             raise RequestError("image input is not supported with speculative decoding (--num-speculative-tokens) "
                                "yet")

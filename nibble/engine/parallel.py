@@ -108,10 +108,17 @@ def rank_failures(parallel: ParallelContext, error: str | None) -> dict[int, str
 
 class StepChannel:
     """Rank 0 -> every rank: one message per engine step (header int64 [kind, length], then the packed
-    `StepInputs`) over the gloo group."""
+    `StepInputs`) over the gloo group; a step with image prompt chunks then sends its vision rows (rank 0
+    alone runs the vision tower) over the model's group, device to device.
 
-    def __init__(self, parallel: ParallelContext) -> None:
+    device / dtype: where a receiving rank puts those rows (its model's device and dtype)."""
+
+    def __init__(self, parallel: ParallelContext, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.group = parallel.cpu_group
+        self.device_group = parallel.group
+        self.device = device
+        self.dtype = dtype
         self._header = torch.zeros(2, dtype=torch.int64)
 
     def send(self, step: StepInputs) -> None:
@@ -119,6 +126,8 @@ class StepChannel:
         self._header[0], self._header[1] = _MSG_STEP, payload.numel()
         dist.broadcast(self._header, src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
+        if step.mm is not None and step.mm.token_index.numel():
+            dist.broadcast(step.mm.embeds.contiguous(), src=0, group=self.device_group)
 
     def send_shutdown(self) -> None:
         self._header[0], self._header[1] = _MSG_SHUTDOWN, 0
@@ -134,7 +143,14 @@ class StepChannel:
             raise RuntimeError(f"tensor-parallel channel: expected a step, got message kind {kind}")
         payload = torch.empty(length, dtype=torch.int32)
         dist.broadcast(payload, src=0, group=self.group)
-        return StepInputs.unpack(payload)
+        rows, width = StepInputs.image_rows(payload)
+        embeds = None
+        if rows:
+            if self.device is None or self.dtype is None:
+                raise RuntimeError("tensor-parallel channel: a step with image rows, but no device/dtype to take them")
+            embeds = torch.empty(rows, width, device=self.device, dtype=self.dtype)
+            dist.broadcast(embeds, src=0, group=self.device_group)
+        return StepInputs.unpack(payload, embeds)
 
     def send_tokens(self, tokens: torch.Tensor) -> None:
         """Token ids (any shape, int64) rank 0 sampled within a step, for the passes after the sampling."""

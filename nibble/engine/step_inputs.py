@@ -7,10 +7,14 @@ not sent.
 
 On the wire a step is one int32 tensor:
 [num_seqs, num_new_slots, num_sample_rows, num_state_copies, num_block_copies, spec_width, has_next_ids,
- num_prompt_logprob_rows, query_lens (num_seqs), context_lens (num_seqs), block_table_lens (num_seqs),
- state_slots (num_seqs), new_state_slots, sample_rows, state copies and block copies (source, destination
- pairs), token ids (all sequences), block ids (all sequences), spec_slots (num_seqs x spec_width),
- next_token_ids (num_seqs if has_next_ids), prompt_logprob_rows, prompt_logprob_next, prompt_logprob_counts].
+ num_prompt_logprob_rows, has_offsets, has_mm, num_image_rows, image_width, query_lens (num_seqs),
+ context_lens (num_seqs), block_table_lens (num_seqs), state_slots (num_seqs), new_state_slots, sample_rows,
+ state copies and block copies (source, destination pairs), token ids (all sequences), block ids (all
+ sequences), spec_slots (num_seqs x spec_width), next_token_ids (num_seqs if has_next_ids),
+ prompt_logprob_rows, prompt_logprob_next, prompt_logprob_counts, position_offsets (num_seqs if has_offsets),
+ the image step's 3-D positions (3 x all tokens, if has_mm) and its placeholder indices (num_image_rows)].
+The vision rows themselves (num_image_rows x image_width, on the device) follow over the model's group
+(`parallel.StepChannel`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class StepInputs:
     how many of the chunk's first positions predict a prompt token (all, unless the chunk reaches past the
     prompt: a request recomputed after preemption). position_offsets[i]: added to sequence i's rotary
     positions (an image request's M-RoPE delta; [] when all are 0); mm: the step's image inputs
-    (image_steps.py). Neither goes on the wire: image input is not served under tensor parallelism."""
+    (image_steps.py), whose device rows `pack` leaves to the caller."""
 
     token_ids: list[list[int]]
     context_lens: list[int]
@@ -115,9 +119,15 @@ class StepInputs:
 
     def pack(self) -> torch.Tensor:
         """int32 [message length] (layout in the module docstring)."""
-        if self.position_offsets or self.mm is not None:
-            raise ValueError("a step with image input cannot be sent to other ranks")
         n = self.num_seqs
+        if self.position_offsets and len(self.position_offsets) != n:
+            raise ValueError("position_offsets must have one entry per sequence")
+        mm = self.mm
+        num_tokens = sum(len(t) for t in self.token_ids)
+        if mm is not None and tuple(mm.positions.shape) != (3, num_tokens):
+            raise ValueError(f"image positions must be [3, {num_tokens}], got {list(mm.positions.shape)}")
+        mm_rows = int(mm.token_index.numel()) if mm is not None else 0
+        mm_width = int(mm.embeds.shape[-1]) if mm is not None and mm_rows else 0
         width = len(self.spec_slots[0]) if self.spec_slots else 0
         if (self.spec_slots and len(self.spec_slots) != n) or any(len(r) != width for r in self.spec_slots) \
                 or (self.next_token_ids and len(self.next_token_ids) != n):
@@ -125,25 +135,35 @@ class StepInputs:
         if not len(self.prompt_logprob_next) == len(self.prompt_logprob_counts) == len(self.prompt_logprob_rows):
             raise ValueError("prompt_logprob_next / _counts must have one entry per prompt_logprob_rows entry")
         head = [n, len(self.new_state_slots), len(self.sample_rows), len(self.state_copies), len(self.block_copies),
-                width, int(bool(self.next_token_ids)), len(self.prompt_logprob_rows)]
+                width, int(bool(self.next_token_ids)), len(self.prompt_logprob_rows), int(bool(self.position_offsets)),
+                int(mm is not None), mm_rows, mm_width]
         flat = chain(head, (len(t) for t in self.token_ids), self.context_lens,
                      (len(b) for b in self.block_tables), self.state_slots, self.new_state_slots,
                      self.sample_rows, chain.from_iterable(self.state_copies), chain.from_iterable(self.block_copies),
                      chain.from_iterable(self.token_ids), chain.from_iterable(self.block_tables),
                      chain.from_iterable(self.spec_slots), self.next_token_ids, self.prompt_logprob_rows,
-                     self.prompt_logprob_next, self.prompt_logprob_counts)
+                     self.prompt_logprob_next, self.prompt_logprob_counts, self.position_offsets,
+                     mm.positions.reshape(-1).tolist() if mm is not None else (),
+                     mm.token_index.tolist() if mm is not None else ())
         count = (len(head) + 4 * n + len(self.new_state_slots) + len(self.sample_rows) + 2 * len(self.state_copies)
                  + 2 * len(self.block_copies) + n * width + len(self.next_token_ids)
-                 + 3 * len(self.prompt_logprob_rows))
+                 + 3 * len(self.prompt_logprob_rows) + len(self.position_offsets)
+                 + (3 * num_tokens if mm is not None else 0) + mm_rows)
         count += sum(len(t) for t in self.token_ids) + sum(len(b) for b in self.block_tables)
         # np.fromiter with a known count is several times faster than torch.tensor(list) on long block tables.
         return torch.from_numpy(np.fromiter(flat, dtype=np.int32, count=count))
 
+    @staticmethod
+    def image_rows(message: torch.Tensor) -> tuple[int, int]:
+        """(rows, width) of the vision rows that follow a packed step over the model's group; (0, 0) for none."""
+        return int(message[10]), int(message[11])
+
     @classmethod
-    def unpack(cls, message: torch.Tensor) -> StepInputs:
+    def unpack(cls, message: torch.Tensor, image_embeds: torch.Tensor | None = None) -> StepInputs:
+        """The step `pack` wrote; image_embeds: its vision rows [image_rows, image_width], received apart."""
         v = message.numpy().tolist()
-        n, n_new, n_sample, n_copies, n_block_copies, width, has_next, n_plp = v[:8]
-        pos = 8
+        n, n_new, n_sample, n_copies, n_block_copies, width, has_next, n_plp, has_offsets, has_mm, n_mm, _ = v[:12]
+        pos = 12
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -160,6 +180,15 @@ class StepInputs:
         spec = take(n * width)
         next_ids = take(n) if has_next else []
         plp_rows, plp_next, plp_counts = take(n_plp), take(n_plp), take(n_plp)
+        offsets = take(n) if has_offsets else []
+        mm = None
+        if has_mm:
+            positions = torch.tensor(take(3 * len(tokens)), dtype=torch.int64).reshape(3, len(tokens))
+            index = torch.tensor(take(n_mm), dtype=torch.int64)
+            if n_mm and (image_embeds is None or image_embeds.shape[0] != n_mm):
+                raise ValueError(f"the step has {n_mm} image rows; got "
+                                 f"{None if image_embeds is None else list(image_embeds.shape)}")
+            mm = MultimodalStep(positions, index, image_embeds if n_mm else torch.empty(0))
         tok_cu = [0, *accumulate(query_lens)]
         blk_cu = [0, *accumulate(table_lens)]
         return cls(
@@ -176,4 +205,6 @@ class StepInputs:
             prompt_logprob_rows=plp_rows,
             prompt_logprob_next=plp_next,
             prompt_logprob_counts=plp_counts,
+            position_offsets=offsets,
+            mm=mm,
         )

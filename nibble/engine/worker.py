@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from nibble.checkpoint.loader import load_model
+from nibble.checkpoint.loader import has_vision_config, load_model
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import (
@@ -30,6 +30,7 @@ from nibble.engine.parallel import (
     read_spec,
 )
 from nibble.models.config import ModelConfig
+from nibble.models.mrope import MRopeParams
 
 logger = logging.getLogger("nibble.engine")
 
@@ -50,9 +51,12 @@ def run_worker(spec: WorkerSpec) -> None:
                        load_format=config.load_format,
                        max_positions=spec.max_model_len + 2 * config.num_speculative_tokens, seed=config.seed,
                        parallel=parallel, num_mtp_layers=num_mtp_layers(config, model_config))
-    channel = StepChannel(parallel)
+    channel = StepChannel(parallel, device, config.torch_dtype)
     runner = ModelRunner(config, model_config, model, spec.max_model_len, parallel=parallel,
                          recv_tokens=channel.recv_tokens)
+    if has_vision_config(spec.model_dir):
+        # rank 0 alone runs the vision tower; image steps reach this rank with its rows and 3-D positions
+        runner.mrope = MRopeParams.from_model_dir(spec.model_dir)
     mark_serving(store, spec.rank)
     logger.info("rank %d ready on %s", spec.rank, device)
     while (step := channel.recv()) is not None:

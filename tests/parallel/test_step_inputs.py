@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from nibble.engine.step_inputs import StepInputs
+from nibble.models.multimodal import MultimodalStep
 
 
 def test_pack_unpack_round_trip() -> None:
@@ -23,3 +27,30 @@ def test_pack_unpack_round_trip() -> None:
         message = step.pack()
         assert message.dtype.itemsize == 4 and message.dim() == 1
         assert StepInputs.unpack(message) == step
+
+
+def test_pack_unpack_image_steps() -> None:
+    """Decode offsets and an image step's positions and placeholder indices travel in the message; the vision
+    rows travel apart (StepChannel) and are handed to unpack."""
+    offsets_only = StepInputs([[3], [4]], [30, 7], [[1, 2], [3]], [1, 2], [], [0, 1], position_offsets=[-5, 0])
+    got = StepInputs.unpack(offsets_only.pack())
+    assert got == offsets_only and StepInputs.image_rows(offsets_only.pack()) == (0, 0)
+
+    positions = torch.tensor([[0, 1, 2, 2, 3], [0, 1, 2, 3, 3], [0, 1, 2, 2, 4]])
+    rows = torch.randn(2, 6)
+    mm = MultimodalStep(positions, torch.tensor([2, 3]), rows)
+    step = StepInputs([[1, 9, 9], [5, 6]], [0, 40], [[1], [2, 3, 4]], [1, 2], [1], [1], position_offsets=[0, -3],
+                      mm=mm)
+    message = step.pack()
+    assert StepInputs.image_rows(message) == (2, 6)
+    got = StepInputs.unpack(message, rows.clone())
+    assert got.position_offsets == [0, -3] and got.mm is not None
+    assert torch.equal(got.mm.positions, positions) and torch.equal(got.mm.token_index, torch.tensor([2, 3]))
+    assert torch.equal(got.mm.embeds, rows)
+    with pytest.raises(ValueError, match="2 image rows"):
+        StepInputs.unpack(message)
+    # positions of a prompt chunk without placeholders (the part after an image): no rows to send
+    plain = StepInputs([[5, 6]], [10], [[1, 2, 3]], [1], [], [0],
+                       mm=MultimodalStep(torch.zeros(3, 2, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                                         torch.empty(0)))
+    assert StepInputs.image_rows(plain.pack()) == (0, 0) and StepInputs.unpack(plain.pack()).mm is not None
