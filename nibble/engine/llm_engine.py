@@ -322,9 +322,6 @@ class LLMEngine:
         """Give a request its images and 3-D positions, refusing what this version does not serve."""
         if self.mrope is None:
             raise RequestError("this model has no vision tower: image input is not supported")
-        if self.num_spec_tokens:
-            raise RequestError("image input is not supported with speculative decoding (--num-speculative-tokens) "
-                               "yet")
         if req.sampling_params.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs is not supported with image input yet")
         try:

@@ -29,6 +29,7 @@ from torch import nn
 from nibble.engine.cuda_graphs import capture_sizes
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.models.multimodal import MultimodalStep
 
 
 def _draft_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -38,11 +39,12 @@ def _draft_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def draft_steps(model: nn.Module, caches: ModelCaches, hidden: torch.Tensor, first: torch.Tensor,
                 position: torch.Tensor, block_table: torch.Tensor, block_size: int, num_spec_tokens: int,
-                max_seq_len: int) -> torch.Tensor:
+                max_seq_len: int, rope_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Drafts 2..k after the first: hidden [B, H] is the head's output where draft 1 (`first`, int64 [B])
-    was predicted, at `position` (int64 [B]); each step feeds (hidden, last draft) at the next position,
-    writing the head's KV there through `block_table` [B, W]. Returns int64 [B, k] (draft 1 first). All on
-    the device, no host values but the sizes: safe inside a CUDA graph."""
+    was predicted, at token index `position` (int64 [B]); each step feeds (hidden, last draft) at the next
+    index, writing the head's KV there through `block_table` [B, W]. rope_offset: int64 [B] added to the
+    rotary positions (an image request's M-RoPE delta), None for zeros. Returns int64 [B, k] (draft 1 first).
+    All on the device, no host values but the sizes: safe inside a CUDA graph."""
     num_seqs = first.shape[0]
     device = first.device
     drafts = [first]
@@ -53,7 +55,8 @@ def draft_steps(model: nn.Module, caches: ModelCaches, hidden: torch.Tensor, fir
         pos = position + i
         block = block_table[rows, pos // block_size].long()
         batch = ForwardBatch(
-            input_ids=tok, positions=pos, cu_seqlens_q=cu, seq_lens=(pos + 1).int(), block_table=block_table,
+            input_ids=tok, positions=pos if rope_offset is None else pos + rope_offset, cu_seqlens_q=cu,
+            seq_lens=(pos + 1).int(), block_table=block_table,
             slot_mapping=block * block_size + pos % block_size, state_slots=cu[:num_seqs],
             logits_indices=rows, max_query_len=1, max_seq_len=max_seq_len,
             cu_seqlens_q_cpu=list(range(num_seqs + 1)))
@@ -78,17 +81,23 @@ def draft_after_verify(model: nn.Module, caches: ModelCaches, batch: ForwardBatc
     rows = torch.arange(num_seqs, device=fed.device)
     last = out[rows, num_accepted]
     first = _draft_tokens(model, last)
-    position = batch.positions.view(num_seqs, n)[:, 0] + num_accepted
+    # token index of each sequence's first fed row (its rotary position less an image request's delta)
+    start = batch.seq_lens.long() - n
+    position = start + num_accepted
+    rope_offset = batch.positions.view(num_seqs, n)[:, 0] - start
     return draft_steps(model, caches, last, first, position, batch.block_table, block_size, num_spec_tokens,
-                       max_seq_len)
+                       max_seq_len, rope_offset)
 
 
 def draft_after_prefill(model: nn.Module, caches: ModelCaches, batch: ForwardBatch, hidden: torch.Tensor,
                         next_token_ids: list[int], sample_rows: list[int], sampled: torch.Tensor | None,
-                        block_size: int, num_spec_tokens: int) -> torch.Tensor | None:
+                        block_size: int, num_spec_tokens: int, position_offsets: list[int] | None = None,
+                        mm: MultimodalStep | None = None) -> torch.Tensor | None:
     """Run the MTP head over a prefill step's chunks and draft after the sampled rows. hidden [T, H]: the
     target's output; next_token_ids[i]: the known token after sequence i's chunk (-1: sampled);
-    sampled: int64 [len(sample_rows)] on the device. Returns int64 [len(sample_rows), k] or None."""
+    sampled: int64 [len(sample_rows)] on the device; position_offsets[i]: sequence i's rotary offset (an image
+    request's M-RoPE delta; None: zeros); mm: the step's image inputs, whose vision rows the head reads where
+    the following token is an image placeholder. Returns int64 [len(sample_rows), k] or None."""
     cu = batch.cu_seqlens_q_cpu
     following = torch.roll(batch.input_ids, -1)
     ends = [c - 1 for c in cu[1:]]
@@ -100,15 +109,34 @@ def draft_after_prefill(model: nn.Module, caches: ModelCaches, batch: ForwardBat
         assert sampled is not None
         rows = to_device_async(torch.tensor([ends[i] for i in sample_rows], dtype=torch.int64), following.device)
         following[rows] = sampled
-    out = model.mtp_forward(following, hidden, batch, caches, step=0)
+    out = model.mtp_forward(following, hidden, batch, caches, step=0, embeds=_following_image_rows(mm, cu))
     if not sample_rows:
         return None
     last = out[rows]
     first = _draft_tokens(model, last)
-    position = batch.positions[rows]
-    table = batch.block_table[to_device_async(torch.tensor(sample_rows, dtype=torch.int64), last.device)]
+    # token index of each sampled row (batch.positions are rotary positions, or row indices for image steps)
+    offsets = position_offsets or [0] * len(cu)
+    host = [[batch.seq_lens_cpu[i] - 1 for i in sample_rows], [offsets[i] for i in sample_rows], sample_rows]
+    host_t = to_device_async(torch.tensor(host, dtype=torch.int64), last.device)
+    table = batch.block_table[host_t[2]]
     max_seq_len = max(batch.seq_lens_cpu[i] for i in sample_rows) + num_spec_tokens
-    return draft_steps(model, caches, last, first, position, table, block_size, num_spec_tokens, max_seq_len)
+    return draft_steps(model, caches, last, first, host_t[0], table, block_size, num_spec_tokens, max_seq_len,
+                       host_t[1] if position_offsets else None)
+
+
+def _following_image_rows(mm: MultimodalStep | None, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row indices int64 [m] on the host, vision rows [m, H]) for the MTP pass over a prefill step: row q - 1
+    reads the vision row of placeholder q (its following token) when both are in one sequence's chunk. A chunk's
+    last row whose next token is a placeholder of the next chunk reads the placeholder's embedding instead: a
+    slightly worse draft input there, never a wrong output (drafts are verified)."""
+    if mm is None or not mm.token_index.numel():
+        return None
+    starts = set(cu[:-1])
+    keep = [j for j, q in enumerate(mm.token_index.tolist()) if q not in starts]
+    if not keep:
+        return None
+    pick = torch.tensor(keep, dtype=torch.int64)
+    return mm.token_index[pick] - 1, mm.embeds[pick.to(mm.embeds.device)]
 
 
 @dataclass
@@ -197,14 +225,16 @@ class VerifyGraphs:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     def load(self, bs: int, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
-             spec_slots: list[list[int]]) -> None:
-        """Write one verify batch (padded to bs) into the static inputs."""
+             spec_slots: list[list[int]], position_offsets: list[int] | None = None) -> None:
+        """Write one verify batch (padded to bs) into the static inputs; position_offsets[i]: added to sequence
+        i's rotary positions (an image request's M-RoPE delta)."""
         n, size = self.n, self.block_size
         num_seqs = len(token_ids)
         pad = bs - num_seqs
         width = max(len(b) for b in block_tables)
         ids = [t for toks in token_ids for t in toks] + [0] * (pad * n)
-        pos = [c + j for c in context_lens for j in range(n)] + [0] * (pad * n)
+        offsets = position_offsets or [0] * num_seqs
+        pos = [c + o + j for c, o in zip(context_lens, offsets) for j in range(n)] + [0] * (pad * n)
         slots = [b[p // size] * size + p % size for b, c in zip(block_tables, context_lens)
                  for p in range(c, c + n)] + [-1] * (pad * n)
         table = [x for b in block_tables for x in (*b, *([0] * (width - len(b))))] + [0] * (pad * width)

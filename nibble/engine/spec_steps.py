@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nibble.engine.image_steps import image_step_inputs
 from nibble.engine.request import Request, TokenLogprobs
 from nibble.engine.sampler import sample_launch
 from nibble.engine.scheduler import ScheduledBatch
@@ -21,6 +22,8 @@ from nibble.engine.spec_sampler import accept_drafts
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch
+from nibble.models.mrope import MRopeParams
+from nibble.models.multimodal import MultimodalStep
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,7 +60,9 @@ class SpecSteps:
     broadcast: Callable[[StepInputs], None] | None
     send_tokens: Callable[[torch.Tensor], None] | None
     recv_tokens: Callable[[], torch.Tensor] | None
+    mrope: MRopeParams | None
     _prepare_caches: Callable[[StepInputs], None]
+    _add_image_inputs: Callable[[ForwardBatch, MultimodalStep], None]
 
     @torch.inference_mode()
     def execute_spec(self, sched: ScheduledBatch, generator: torch.Generator | None,
@@ -67,6 +72,10 @@ class SpecSteps:
         sampled by the regular sampler. Under tensor parallelism the step goes to the other ranks first, and
         what this rank samples follows it (`send_tokens`) before the MTP head's passes."""
         step = StepInputs.from_schedule(sched, speculative=True)
+        if self.mrope is not None and any(r.has_images for r in sched.requests):
+            step.position_offsets, step.mm = image_step_inputs(
+                sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
+                self.mrope.image_token_id, self.device)
         if self.broadcast is not None:
             self.broadcast(step)
         out = self._spec_step(step, sched.requests, generator, bitmask)
@@ -97,9 +106,12 @@ class SpecSteps:
         self._prepare_caches(step)
         if step.spec_slots:
             return self._verify(step, requests, generator, bitmask)
+        offsets = step.position_offsets or None
         batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
-                                   self.block_size, self.device)
-        mixed = self.mixed_graphs
+                                   self.block_size, self.device, position_offsets=offsets)
+        if step.mm is not None:
+            self._add_image_inputs(batch, step.mm)
+        mixed = self.mixed_graphs if step.mm is None and offsets is None else None
         size = mixed.padded_size(batch.num_tokens, step.num_seqs, batch.max_query_len) if mixed is not None else None
         if mixed is not None and size is not None:
             # the target pass from its graph (every token's hidden row); the MTP head's pass below runs eagerly
@@ -122,7 +134,7 @@ class SpecSteps:
                 pending = sample_launch(logits, sampled, generator, bitmask(sampled))
             tokens = self._sampled_everywhere(pending.token_ids if pending is not None else None)
         drafts = draft_after_prefill(self.model, self.caches, batch, hidden, step.next_token_ids, rows, tokens,
-                                     self.block_size, self.num_spec_tokens)
+                                     self.block_size, self.num_spec_tokens, offsets, step.mm)
         if requests is None:
             return None
         if pending is None or drafts is None:
@@ -139,12 +151,13 @@ class SpecSteps:
         graphs = self.verify_graphs
         bs = graphs.padded_size(num_seqs) if graphs is not None else None
         if graphs is not None and bs is not None:
-            graphs.load(bs, step.token_ids, step.context_lens, step.block_tables, step.spec_slots)
+            graphs.load(bs, step.token_ids, step.context_lens, step.block_tables, step.spec_slots,
+                        step.position_offsets or None)
             logits = graphs.run_target(bs)[:num_seqs]
             self.step_counts["verify_graph"] += 1
         else:
             batch = ForwardBatch.build(step.token_ids, step.context_lens, step.block_tables, step.state_slots,
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, position_offsets=step.position_offsets or None)
             batch.spec_slots = to_device_async(torch.tensor(step.spec_slots, dtype=torch.int32), self.device)
             hidden = self.model(batch, self.caches)
             self.step_counts["eager"] += 1

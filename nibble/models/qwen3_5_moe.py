@@ -149,14 +149,19 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
-                    step: int = 0) -> torch.Tensor:
+                    step: int = 0, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One MTP draft step: input_ids int64 [T], the token following each row's position; hidden [T, H],
         what `forward` returned for those positions (or the previous step's output); batch: positions, KV
-        slots and block tables of those rows. Returns [T, H] after the head's final norm, for
-        `compute_logits`. Step s runs MTP layer s % num_mtp_layers."""
+        slots and block tables of those rows; embeds: (row indices int64 [m], rows [m, H]) that replace the
+        embeddings of those rows' tokens (vision rows of image placeholders). Returns [T, H] after the head's
+        final norm, for `compute_logits`. Step s runs MTP layer s % num_mtp_layers."""
         if self.mtp is None:
             raise RuntimeError("mtp_forward: the model was built without an MTP head (num_mtp_layers=0)")
-        return self.mtp(self.embed_tokens(input_ids), hidden, batch, caches, step)
+        x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            index, rows = embeds
+            x = x.index_copy(0, index.to(x.device), rows.to(x.dtype))
+        return self.mtp(x, hidden, batch, caches, step)
 
     def cache_dims(self) -> dict[str, int]:
         """This rank's cache widths, as `ModelCaches.allocate` overrides: num_kv_heads, num_v_heads, conv_dim."""

@@ -139,6 +139,44 @@ def test_image_prompts_share_cached_prefixes(checkpoint: tuple[Path, Any]) -> No
     assert got == _expected(reference, first, other)
 
 
+@pytest.mark.parametrize("oracle", [False, True])
+def test_image_generation_with_speculative_decoding(checkpoint: tuple[Path, Any], oracle: bool) -> None:
+    """MTP speculative decoding with image requests: verify steps rotate at index + delta, the head reads the
+    vision rows and M-RoPE positions of the prompt; greedy tokens are transformers', with the head's own drafts
+    and with drafts that are transformers' continuation (every third one corrupted, so that verify steps
+    accept runs of them)."""
+    model_dir, reference = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=96,
+              num_speculative_tokens=2)
+    one = _images([(16, 24)], seed=1)
+    two = _images([(24, 32), (16, 24)], seed=2)
+    prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))]
+    images = [one, two, None]
+    expected = [_expected(reference, p, im) for p, im in zip(prompts, images)]
+    engine = llm.engine
+    if oracle:
+        refs = {f"r{i}": p + e for i, (p, e) in enumerate(zip(prompts, expected))}
+        real = engine.runner.execute_spec
+        count = [0]
+
+        def execute_spec(sched, *args):  # type: ignore[no-untyped-def]
+            if sched.spec_verify:
+                for req in sched.requests:
+                    ref = refs[req.request_id]
+                    start = req.num_computed_tokens + 1
+                    count[0] += 1
+                    req.draft_token_ids = [(ref[p] if p < len(ref) else 0) + (count[0] % 3 == 0 and j == 1)
+                                           for j, p in enumerate(range(start, start + 2))]
+            return real(sched, *args)
+
+        engine.runner.execute_spec = execute_spec  # type: ignore[method-assign]
+    assert _generate(llm, prompts, images) == expected
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if oracle:
+        assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] // 2
+
+
 def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
     model_dir, _ = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96)
