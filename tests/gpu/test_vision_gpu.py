@@ -36,11 +36,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return model_dir, _reference(model_dir)
 
 
-@pytest.mark.parametrize("budget", [256, 8])
-def test_image_generation_on_gpu_matches_transformers(checkpoint: tuple[Path, Any], budget: int) -> None:
+@pytest.mark.parametrize(("budget", "num_spec"), [(256, 0), (8, 0), (8, 2)])
+def test_image_generation_on_gpu_matches_transformers(checkpoint: tuple[Path, Any], budget: int,
+                                                      num_spec: int) -> None:
+    """Also under MTP speculative decoding (verify and drafting graphs at index + delta)."""
     model_dir, reference = checkpoint
     llm = LLM(model=str(model_dir), device="cuda", dtype="float32", max_num_batched_tokens=budget,
-              max_model_len=256, extra={"num_kv_blocks": 64})
+              max_model_len=256, num_speculative_tokens=num_spec, extra={"num_kv_blocks": 64})
     one = _images([(16, 24)], seed=1)
     two = _images([(24, 32), (16, 24)], seed=2)
     prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20)), _prompt(llm, one, 9)]
@@ -50,7 +52,7 @@ def test_image_generation_on_gpu_matches_transformers(checkpoint: tuple[Path, An
     for prompt, im, tokens in zip(prompts, images, got):
         assert tokens == _expected(reference, prompt, im)
     stats = llm.engine.stats()
-    assert stats["model_steps_decode_graph"] > 0, stats
+    assert stats["model_steps_verify_graph" if num_spec else "model_steps_decode_graph"] > 0, stats
     assert next(llm.engine.model.visual.parameters()).device.type == "cuda"
 
 
