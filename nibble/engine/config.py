@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from nibble.engine.media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, MediaPolicy
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -90,6 +93,11 @@ class EngineConfig:
     prefix_cache_slots: int = 16
     speculative_method: str = "mtp"
     num_speculative_tokens: int = 0
+    # image URLs of requests (engine/media.py): fetch limits, and which hosts / local directory may be read
+    media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
+    max_media_bytes: int = DEFAULT_MAX_BYTES
+    allowed_media_domains: tuple[str, ...] | None = None
+    allowed_local_media_path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,10 +135,28 @@ class EngineConfig:
         check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got '{self.device}'")
+        check(self.media_fetch_timeout_s > 0,
+              f"--media-fetch-timeout must be > 0 seconds, got {self.media_fetch_timeout_s}")
+        check(self.max_media_bytes > 0, f"--max-media-bytes must be > 0, got {self.max_media_bytes}")
+        domains = self.allowed_media_domains
+        if domains is not None:
+            check(not isinstance(domains, str) and all(isinstance(d, str) and d.strip() for d in domains),
+                  f"--allowed-media-domains must be a list of host names, got {domains!r}")
+            # a list from Python callers: frozen configs hold tuples
+            object.__setattr__(self, "allowed_media_domains", tuple(d.strip() for d in domains))
+        check(self.allowed_local_media_path is None or os.path.isdir(self.allowed_local_media_path),
+              f"--allowed-local-media-path must be an existing directory, got '{self.allowed_local_media_path}'")
 
     @property
     def speculative(self) -> bool:
         return self.num_speculative_tokens > 0
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """What the engine may fetch for image URLs (engine/media.py)."""
+        return MediaPolicy(timeout_s=self.media_fetch_timeout_s, max_bytes=self.max_media_bytes,
+                           allowed_domains=self.allowed_media_domains,
+                           allowed_local_path=self.allowed_local_media_path)
 
     @property
     def num_state_slots(self) -> int:

@@ -1,10 +1,11 @@
 """Offline batch inference in the vLLM convention: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
 Images (models with a vision tower): a prompt dict's `multi_modal_data` {"image": one image or a list}
-(PIL images, RGB uint8 arrays [H, W, 3], or data-URL strings), with one image placeholder per image in the
-prompt (`<|vision_start|><|image_pad|><|vision_end|>` as the chat template writes it), as vLLM takes
-them; `chat` takes {"type": "image_url", "image_url": {"url": "data:..."}} and {"type": "image", "image": ...}
-content parts.
+(PIL images, RGB uint8 arrays [H, W, 3], encoded bytes, data-URL strings, or http(s):// and file:// URLs,
+fetched under the engine's media policy: engine/media.py, `allowed_local_media_path` for file://), with one
+image placeholder per image in the prompt (`<|vision_start|><|image_pad|><|vision_end|>` as the chat
+template writes it), as vLLM takes them; `chat` takes {"type": "image_url", "image_url": {"url": ...}} and
+{"type": "image", "image": ...} content parts.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationConfigError, load_generation_defaults
 from nibble.engine.kernels import select_engine_kernels
+from nibble.engine.media import is_fetched_url, resolve_image_sources, shorten_url
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
@@ -65,6 +66,16 @@ def _store_prompt_logprobs(req: Request, first: int, entries: list[TokenLogprobs
     if len(req.prompt_logprobs) < end:
         req.prompt_logprobs.extend([None] * (end - len(req.prompt_logprobs)))
     req.prompt_logprobs[first:end] = entries
+
+
+def _decode(raw: Any, data: str | bytes) -> Any:
+    """decode_image of one image; for a fetched URL the error names it, as the fetched bytes do not."""
+    try:
+        return decode_image(data)
+    except ValueError as exc:
+        if is_fetched_url(raw):
+            raise ValueError(f"{shorten_url(raw.strip())}: {exc}") from None
+        raise
 
 
 class RequestError(ValueError):
@@ -351,12 +362,15 @@ class LLMEngine:
 
     def prepare_images(self, prompt: str | list[int], raw_images: list[Any]) -> tuple[list[int], ImageInputs]:
         """A prompt with one placeholder per image (as the chat template writes them) and its raw images (PIL
-        images, RGB arrays, data URLs, bytes) as add_request takes them: token ids with each placeholder
-        expanded, and the preprocessed images. RequestError for a bad image or a model without image input."""
+        images, RGB arrays, data URLs, bytes, or http(s):// and file:// URLs, fetched here under the config's
+        media policy, blocking) as add_request takes them: token ids with each placeholder expanded, and the
+        preprocessed images. RequestError for a bad image or URL, or a model without image input."""
         if self.image_processor is None:
             raise RequestError("this model does not take image input (no vision tower loaded)")
         try:
-            decoded = [decode_image(im) if isinstance(im, (str, bytes)) else im for im in raw_images]
+            resolved = resolve_image_sources(raw_images, self.config.media_policy)
+            decoded = [_decode(raw, im) if isinstance(im, (str, bytes)) else im
+                       for raw, im in zip(raw_images, resolved)]
             images = ImageInputs(*preprocess_images(decoded, self.image_processor))
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None

@@ -154,7 +154,8 @@ VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """The conversation with each image content part replaced by a text part holding the template's vision
     placeholder (the chat template renders an image exactly so, and joins parts with no separator), and the
-    images in order: data-URL strings of image_url parts, the `image` value of image parts."""
+    images in order: the URL strings of image_url parts (data:, or fetched later: engine/media.py), the `image`
+    value of image parts."""
     images: list[Any] = []
     out = []
     for msg in messages:

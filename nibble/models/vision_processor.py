@@ -15,10 +15,11 @@ its pixels can differ slightly from these; grids and token counts are the same.
    laid out (channel, time, patch row, patch column).
 
 The prompt gets grid_t * grid_h * grid_w / merge_size**2 image placeholder tokens per image.
-`decode_image` turns a `data:` URL or raw bytes into the RGB image this expects (EXIF orientation applied,
-transparency composited onto white as the processor does).
+`decode_image` turns a `data:` URL or raw bytes (those of a fetched URL too: engine/media.py) into the RGB
+image this expects (EXIF orientation applied, transparency composited onto white as the processor does).
 
-Exact against transformers; the offline API (nibble/engine/llm.py) preprocesses with it, the server not yet.
+Exact against transformers; the engine (`LLMEngine.prepare_images`, for the offline API and the server)
+preprocesses with it.
 PIL is imported inside functions so that `import nibble` does not need it.
 """
 
@@ -253,7 +254,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def decode_image(source: str | bytes, max_pixels: int | None = None) -> Image.Image:
     """A `data:image/...;base64,...` URL (str) or encoded image bytes -> RGB PIL image, EXIF orientation
-    applied. Anything else (other URLs, bad base64, bytes that are no image, truncated files, images above
+    applied (http(s):// and file:// URLs are fetched into bytes before: engine/media.py). Anything else
+    (other strings, bad base64, bytes that are no image, truncated files, images above
     `max_pixels` or PIL's decompression-bomb limit) raises ValueError with the reason."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -283,7 +285,8 @@ def _data_url_bytes(url: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not head.lower().startswith("data:"):
         shown = url if len(url) <= 40 else url[:40] + "..."
-        raise ValueError(f"only data: URLs are supported for images, got '{shown}'")
+        raise ValueError(f"images are taken as data:image/...;base64 URLs, http(s):// or file:// URLs (the engine "
+                         f"fetches those first: engine/media.py) or bytes, got '{shown}'")
     if not sep:
         raise ValueError("data URL has no ',' before its payload")
     media, *attrs = head[len("data:"):].split(";")

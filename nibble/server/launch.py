@@ -36,7 +36,8 @@ _ENGINE_FIELDS = (
     "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
-    "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy",
+    "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy", "allowed_local_media_path",
+    "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes",
 )
 
 
@@ -77,6 +78,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "that prefix (ASGI root_path, as vLLM's), e.g. /nibble")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, in place of the model's")
+
+    media = parser.add_argument_group(
+        "image URLs", "images given as http(s):// URLs are fetched by the server, as vLLM does; by default from any "
+        "host, so a public deployment should restrict them with --allowed-media-domains (else clients can make "
+        "the server fetch from its own network)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="the only hosts image URLs (and their redirects) may point at, matched exactly "
+                            "(default: any host)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let file:// image URLs read files inside DIR (default: file:// URLs are refused)")
+    media.add_argument("--media-fetch-timeout", dest="media_fetch_timeout_s", type=float, default=None,
+                       metavar="SECONDS", help="time limit of fetching one image (default: 10)")
+    media.add_argument("--max-media-bytes", type=int, default=None, metavar="N",
+                       help="largest image a URL may give, in bytes (default: 20971520, 20 MiB)")
 
     compat = parser.add_argument_group(
         "vLLM compatibility", "flags vLLM needs for what nibble always does with Qwen3.5; accepted so that a vLLM "
@@ -197,6 +212,8 @@ def _json_object(flag: str) -> Any:
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    if "allowed_media_domains" in kwargs:
+        kwargs["allowed_media_domains"] = tuple(kwargs["allowed_media_domains"])
     spec = getattr(args, "speculative_config", None)
     if spec:
         from nibble.engine.config import parse_speculative_config

@@ -149,8 +149,8 @@ class _Conversation:
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:
-    """An image block's source as a URL: base64 data as a data URL, a url source as given (only data URLs are
-    then taken: the server fetches nothing)."""
+    """An image block's source as a URL: base64 data as a data URL, a url source as given (the engine fetches
+    an http(s):// one, engine/media.py)."""
     source = block.get("source")
     if not isinstance(source, dict):
         raise BlockError(f"{where}.source", "must be an object ({'type': 'base64', 'media_type', 'data'})")

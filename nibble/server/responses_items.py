@@ -66,7 +66,8 @@ def _text_of(content: Any, where: str) -> str:
 
 def _user_content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
     """A user message's content: its text (`_text_of`), or, when it holds input_image parts, chat content parts
-    (text, and image_url for each image, in order) for the chat handler's image path."""
+    (text, and image_url for each image, in order) for the chat handler's image path, which fetches an
+    http(s):// image_url (engine/media.py)."""
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
                                                 for p in content):
         return _text_of(content, where)
@@ -75,8 +76,8 @@ def _user_content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
         if isinstance(part, dict) and part.get("type") == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise ItemError(f"{where}[{j}].image_url", "images are taken as image_url data URLs (file_id "
-                                                           "images are not supported)")
+                raise ItemError(f"{where}[{j}].image_url", "images are taken as image_url URLs (data: or "
+                                                           "http(s)://); file_id images are not supported")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             parts.append({"type": "text", "text": _text_of([part], f"{where}[{j}]")})

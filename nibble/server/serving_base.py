@@ -245,10 +245,11 @@ class OpenAIServing:
                                       continue_final_message: bool = False
                                       ) -> tuple[str, list[int], ImageInputs | None]:
         """`render_chat`, off the event loop, for messages that may hold image parts: each becomes the template's
-        vision placeholder, expanded after tokenizing to its image's token count, and the images are preprocessed
-        (data URLs only: the server fetches nothing). Returns (prompt text, token ids, images or None). A template
-        error is render_chat's 400; a bad image or a model without a vision tower raises RequestError, which the
-        caller names by its own field."""
+        vision placeholder, expanded after tokenizing to its image's token count, and the images are fetched (an
+        http(s):// or file:// URL, under the engine's media policy: engine/media.py) and preprocessed. Returns
+        (prompt text, token ids, images or None). A template error is render_chat's 400; a bad image, a URL that
+        cannot be fetched or a model without a vision tower raises RequestError (its message names the URL and
+        the reason), which the caller names by its own field."""
         messages, raw_images = take_images(messages)
         prompt, ids = await asyncio.to_thread(self.render_chat, messages, tools, add_generation_prompt,
                                               template_kwargs, continue_final_message)

@@ -54,6 +54,19 @@ def test_flags_map_to_engine_config() -> None:
     assert args.log_level == "debug"
 
 
+def test_media_flags(tmp_path: Path) -> None:
+    """vLLM's --allowed-media-domains (several hosts) and --allowed-local-media-path, and the fetch limits, reach
+    EngineConfig's media policy; unset, any host is fetched and file:// refused."""
+    args = parse("--allowed-media-domains", "images.example", "CDN.example", "--allowed-local-media-path",
+                 str(tmp_path), "--media-fetch-timeout", "2.5", "--max-media-bytes", "1000")
+    policy = EngineConfig(**engine_config_kwargs(args)).media_policy
+    assert (policy.allowed_domains, policy.allowed_local_path, policy.timeout_s, policy.max_bytes) == (
+        ("images.example", "CDN.example"), str(tmp_path), 2.5, 1000)
+    default = EngineConfig(**engine_config_kwargs(parse())).media_policy
+    assert (default.allowed_domains, default.allowed_local_path, default.timeout_s, default.max_bytes) == (
+        None, None, 10.0, 20 * 2**20)
+
+
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NIBBLE_API_KEY", "sk-env")
     assert parse().api_key == "sk-env"
@@ -83,6 +96,9 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
     (["--max-stored-responses", "-1"], "--max-stored-responses"),
     (["--generation-config", "/no/such/dir"], "--generation-config"),
     (["--override-generation-config", '{"temp": 1}'], "--override-generation-config"),
+    (["--allowed-local-media-path", "/no/such/dir"], "--allowed-local-media-path"),
+    (["--media-fetch-timeout", "0"], "--media-fetch-timeout"),
+    (["--max-media-bytes", "0"], "--max-media-bytes"),
 ])
 def test_startup_errors_are_one_line(argv: list[str], needle: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -236,16 +236,19 @@ def test_chat_image_parts_become_template_placeholders() -> None:
 
 def test_chat_image_over_http(tmp_path: Path) -> None:
     """An image_url part (a PNG data URL) on /v1/chat/completions: the prompt is the chat template's with the
-    image's placeholders expanded, and the greedy answer is transformers' for it; a remote URL is a 400. The same
-    image as an input_image part on /v1/responses gives the same prompt and answer."""
+    image's placeholders expanded, and the greedy answer is transformers' for it. The same image as an
+    input_image part on /v1/responses, a base64 block on /v1/messages, and fetched from an http:// URL (a local
+    server) on all three gives the same prompt and answer; a URL that cannot be fetched is a 400 naming it."""
     import base64
     import io
+    import socket
 
     import httpx
     from PIL import Image
 
     from nibble.engine.async_engine import AsyncEngine
     from nibble.engine.config import EngineConfig
+    from tests.helpers.http_media import local_http_server, send_bytes
     from tests.helpers.server import start_server
 
     demo_tokenizer = Path(__file__).resolve().parents[2] / "nibble" / "assets" / "demo_tokenizer"
@@ -306,10 +309,46 @@ def test_chat_image_over_http(tmp_path: Path) -> None:
         usage = r.json()["usage"]
         assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(prompt)
         assert r.json()["content"][-1]["text"] == tok.decode(expected)
-        remote = {**body, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
-        r = httpx.post(handle.url + "/v1/chat/completions", json=remote, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        with local_http_server({"/cat.png": send_bytes(buf.getvalue()),
+                                "/notes.txt": send_bytes(b"not an image", "text/plain")}) as media:
+            # the same PNG from an http:// URL: the same prompt and answer on the three endpoints
+            fetched = media + "/cat.png"
+            messages[0]["content"][1]["image_url"]["url"] = fetched
+            r = httpx.post(handle.url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+            assert r.json()["choices"][0]["message"]["content"] == tok.decode(expected)
+            mbody["messages"][0]["content"][1] = {"type": "image", "source": {"type": "url", "url": fetched}}
+            r = httpx.post(handle.url + "/v1/messages", json=mbody, timeout=120)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(prompt)
+            assert r.json()["content"][-1]["text"] == tok.decode(expected)
+            rbody["input"][0]["content"][1] = {"type": "input_image", "image_url": fetched}
+            r = httpx.post(handle.url + "/v1/responses", json=rbody, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] == len(prompt)
+            assert r.json()["output"][-1]["content"][0]["text"] == tok.decode(expected)
+            # a URL that cannot be had is a 400 naming it and why
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                closed = f"http://127.0.0.1:{s.getsockname()[1]}/cat.png"
+            for bad, reason in ((media + "/missing.png", f"images: fetching {media}/missing.png: HTTP 404"),
+                                (closed, f"images: fetching {closed}: cannot connect"),
+                                (media + "/notes.txt", f"images: {media}/notes.txt: image data is not a recognised "
+                                                       "image format")):
+                messages[0]["content"][1]["image_url"]["url"] = bad
+                r = httpx.post(handle.url + "/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+                assert r.json()["error"]["message"].startswith(reason), r.text
+            mbody["messages"][0]["content"][1]["source"]["url"] = media + "/missing.png"
+            r = httpx.post(handle.url + "/v1/messages", json=mbody, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+            assert f"fetching {media}/missing.png: HTTP 404" in r.json()["error"]["message"], r.text
+            # file:// is refused without --allowed-local-media-path
+            rbody["input"][0]["content"][1]["image_url"] = "file:///etc/hostname"
+            r = httpx.post(handle.url + "/v1/responses", json=rbody, timeout=60)
+            assert r.status_code == 400 and "file:// URLs need --allowed-local-media-path" in r.text, r.text
     finally:
         handle.stop()
         engine.shutdown()

@@ -196,7 +196,8 @@ def test_decode_data_url_and_bytes() -> None:
 
 
 @pytest.mark.parametrize("source,match", [
-    ("https://example.com/cat.png", "only data: URLs"),
+    ("https://example.com/cat.png", "data:image/...;base64 URLs, http\\(s\\):// or file:// URLs \\(the engine fetches"),
+    ("cat.png", "got 'cat.png'"),
     ("data:image/png;base64", "no ','"),
     ("data:image/png,abcd", "base64-encoded"),
     ("data:text/plain;base64,aGVsbG8=", "not an image"),
