@@ -333,8 +333,6 @@ class LLMEngine:
         """Give a request its images and 3-D positions, refusing what this version does not serve."""
         if self.mrope is None:
             raise RequestError("this model has no vision tower: image input is not supported")
-        if req.sampling_params.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs is not supported with image input yet")
         try:
             req.images = ImageInputs.of(images)
             req.mrope_positions, req.mrope_delta = mrope_positions(

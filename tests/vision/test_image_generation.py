@@ -177,13 +177,36 @@ def test_image_generation_with_speculative_decoding(checkpoint: tuple[Path, Any]
         assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] // 2
 
 
+def test_image_prompt_logprobs_match_transformers(checkpoint: tuple[Path, Any]) -> None:
+    """prompt_logprobs of a prompt with two images, in chunks cut inside the images: each position's
+    log-probability of the next prompt token (placeholders included) and its top-2 are transformers'."""
+    model_dir, reference = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=96)
+    two = _images([(24, 32), (16, 24)], seed=2)
+    prompt = _prompt(llm, two, 4)
+    llm.engine.add_request("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), images=two)
+    out = None
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out = o if o.finished else out
+    assert out is not None and out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = reference(ids, pixel_values=two.pixel_values, image_grid_thw=two.grid_thw,
+                           mm_token_type_ids=(ids == reference.config.image_token_id).int()).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt)
+    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None and entry.token_id == prompt[p]
+        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=2e-4)
+        assert set(entry.top) == set(torch.topk(want[p - 1], 2).indices.tolist())
+
+
 def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
     model_dir, _ = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96)
     one = _images([(16, 24)], seed=1)
     prompt = _prompt(llm, one, 3)
-    with pytest.raises(RequestError, match="prompt_logprobs"):
-        llm.engine.add_request("a", prompt, SamplingParams(prompt_logprobs=1), images=one)
     with pytest.raises(RequestError, match="placeholder"):
         llm.engine.add_request("b", prompt[:-8], SamplingParams(), images=one)
     req = llm.engine.add_request("c", prompt, SamplingParams(max_tokens=1), images=one)
