@@ -37,11 +37,12 @@ from nibble.engine.chat_template import ChatTemplate, ChatTemplateError, load_ch
 from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationConfigError, load_generation_defaults
+from nibble.engine.image_requests import ImageArg, ImageRequests
 from nibble.engine.kernels import select_engine_kernels
-from nibble.engine.media import is_fetched_url, resolve_image_sources, shorten_url
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
+from nibble.engine.outputs import TextState, request_output, store_prompt_logprobs
 from nibble.engine.parallel import WorkerGroup
-from nibble.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprobs
+from nibble.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
@@ -50,32 +51,12 @@ from nibble.engine.structured_output import GrammarBackend, StructuredOutputErro
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
-from nibble.models.mrope import MRopeParams, mrope_positions
-from nibble.models.multimodal import ImageInputs, expand_image_tokens, image_cache_ids
-from nibble.models.vision_processor import ImageProcessorParams, ProcessedImage, decode_image, preprocess_images
+from nibble.models.mrope import MRopeParams
+from nibble.models.multimodal import ImageInputs
 
 logger = logging.getLogger("nibble.engine")
 
 DEFAULT_MAX_MODEL_LEN = 32768
-
-
-def _store_prompt_logprobs(req: Request, first: int, entries: list[TokenLogprobs]) -> None:
-    """Put a step's prompt log-probabilities (for positions first, first + 1, ...) into the request's list
-    (entry p: prompt token p's; a request recomputed after preemption writes the same values again)."""
-    end = first + len(entries)
-    if len(req.prompt_logprobs) < end:
-        req.prompt_logprobs.extend([None] * (end - len(req.prompt_logprobs)))
-    req.prompt_logprobs[first:end] = entries
-
-
-def _decode(raw: Any, data: str | bytes) -> Any:
-    """decode_image of one image; for a fetched URL the error names it, as the fetched bytes do not."""
-    try:
-        return decode_image(data)
-    except ValueError as exc:
-        if is_fetched_url(raw):
-            raise ValueError(f"{shorten_url(raw.strip())}: {exc}") from None
-        raise
 
 
 class RequestError(ValueError):
@@ -96,16 +77,6 @@ class _Launched:
     sampled: list[Request]
     pending: PendingSample | None
     logits: torch.Tensor | None = None
-
-
-@dataclass
-class _TextState:
-    detok: IncrementalDetokenizer | None
-    stop: StopChecker
-    text: str = ""
-    sent_tokens: int = 0
-    sent_text: int = 0
-    prompt: str | None = None
 
 
 class LLMEngine:
@@ -165,11 +136,10 @@ class LLMEngine:
             self.shutdown()
             raise
         # image input: only with a vision tower (under tensor parallelism on rank 0, this process)
-        self.mrope: MRopeParams | None = None
-        self.image_processor: ImageProcessorParams | None = None
-        if getattr(self.model, "visual", None) is not None:
-            self.mrope = self.runner.mrope = MRopeParams.from_model_dir(self.model_dir)
-            self.image_processor = ImageProcessorParams.from_model_dir(self.model_dir)
+        visual = getattr(self.model, "visual", None)
+        self.images = (ImageRequests(self.model_dir, visual.config.patch_dim, config.media_policy)
+                       if visual is not None else None)
+        self.runner.mrope = self.mrope
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,
                                    prefix_caching=config.enable_prefix_caching, num_spec_slots=self.num_spec_tokens)
         # a verify step holds blocks for 2k positions past the computed tokens (scheduler._alloc_len)
@@ -182,7 +152,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec_tokens=self.num_spec_tokens, policy=config.scheduling_policy)
         self.requests: dict[str, Request] = {}
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextState] = {}
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(config.seed)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids)
@@ -260,8 +230,7 @@ class LLMEngine:
         return self.config.served_model_name or self.config.model
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    images: ImageInputs | tuple[torch.Tensor, torch.Tensor] | list[ProcessedImage] | None = None
-                    ) -> Request:
+                    images: ImageArg | None = None) -> Request:
         """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input.
 
         images: the prompt's images, preprocessed (`vision_processor.preprocess_images`' (pixel_values,
@@ -322,39 +291,33 @@ class LLMEngine:
             req.generator.manual_seed(params.seed)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
-        self._text[request_id] = _TextState(detok, StopChecker(params.stop, params.include_stop_str_in_output),
+        self._text[request_id] = TextState(detok, StopChecker(params.stop, params.include_stop_str_in_output),
                                             prompt=prompt_text)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
 
-    def _attach_images(self, req: Request, images: object) -> None:
-        """Give a request its images and 3-D positions, refusing what this version does not serve."""
-        if self.mrope is None:
+    @property
+    def mrope(self) -> MRopeParams | None:
+        """The checkpoint's M-RoPE settings when it takes image input, else None."""
+        return self.images.mrope if self.images is not None else None
+
+    def _attach_images(self, req: Request, images: ImageArg) -> None:
+        if self.images is None:
             raise RequestError("this model has no vision tower: image input is not supported")
         try:
-            req.images = ImageInputs.of(images)
-            req.mrope_positions, req.mrope_delta = mrope_positions(
-                req.prompt_token_ids, req.images.grid_thw, self.mrope.image_token_id, self.mrope.spatial_merge_size)
+            self.images.attach(req, images)
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
-        patch_dim = self.model.visual.config.patch_dim  # type: ignore[union-attr]
-        if req.images.pixel_values.shape[1] != patch_dim:
-            raise RequestError(f"images: pixel_values rows must have {patch_dim} values, got "
-                               f"{req.images.pixel_values.shape[1]}")
-        req.cache_prompt_ids = image_cache_ids(req.prompt_token_ids, self.mrope.image_token_id, req.images,
-                                               self.mrope.spatial_merge_size)
 
-    def expand_image_prompt(self, prompt_ids: list[int], images: ImageInputs | tuple[torch.Tensor, torch.Tensor]
-                            | list[ProcessedImage]) -> list[int]:
+    def expand_image_prompt(self, prompt_ids: list[int], images: ImageArg) -> list[int]:
         """The prompt with its one image placeholder per image (as the chat template writes them) repeated to
         each image's token count. RequestError on a count mismatch or a model without image input."""
-        if self.mrope is None:
+        if self.images is None:
             raise RequestError("this model does not take image input")
         try:
-            counts = ImageInputs.of(images).num_tokens(self.mrope.spatial_merge_size)
-            return expand_image_tokens(prompt_ids, self.mrope.image_token_id, counts)
+            return self.images.expand_prompt(prompt_ids, images)
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
 
@@ -363,13 +326,10 @@ class LLMEngine:
         images, RGB arrays, data URLs, bytes, or http(s):// and file:// URLs, fetched here under the config's
         media policy, blocking) as add_request takes them: token ids with each placeholder expanded, and the
         preprocessed images. RequestError for a bad image or URL, or a model without image input."""
-        if self.image_processor is None:
+        if self.images is None:
             raise RequestError("this model does not take image input (no vision tower loaded)")
         try:
-            resolved = resolve_image_sources(raw_images, self.config.media_policy)
-            decoded = [_decode(raw, im) if isinstance(im, (str, bytes)) else im
-                       for raw, im in zip(raw_images, resolved)]
-            images = ImageInputs(*preprocess_images(decoded, self.image_processor))
+            images = self.images.preprocess(raw_images)
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
         if isinstance(prompt, str):
@@ -521,7 +481,7 @@ class LLMEngine:
         tokens = inflight.pending.token_ids if inflight is not None and inflight.pending is not None else None
         logits, rows = self.runner.execute(sched, tokens)
         for i, (first, entries) in self.runner.prompt_logprob_results.items():
-            _store_prompt_logprobs(sched.requests[i], first, entries)
+            store_prompt_logprobs(sched.requests[i], first, entries)
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         if logits is None:
@@ -599,13 +559,8 @@ class LLMEngine:
             logger.error("request %s: %s", req.request_id, req.error)
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             return
-        if status is None and state.detok is not None:
-            piece = state.detok.step([token])
-            if enough:
-                piece, stopped = state.stop.process(piece)
-                if stopped:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop.matched
-            state.text += piece
+        if status is None and state.feed(token, check_stop=enough):
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, state.stop.matched
         if status is None and grammar == "stopped":
             status = RequestStatus.FINISHED_STOPPED
         # a pending token (of a step still in flight) is not part of this request's length yet
@@ -613,37 +568,12 @@ class LLMEngine:
         if status is None and (req.num_output_tokens >= (sp.max_tokens or 0) or length >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            if state.detok is not None and not state.stop.stopped:
-                piece, _ = state.stop.process(state.detok.flush())
-                state.text += piece + state.stop.flush()
+            state.finish()
             self.scheduler.finish(req, status)
 
     def _output(self, req: Request) -> RequestOutput:
-        state = self._text[req.request_id]
-        delta_ids = req.output_token_ids[state.sent_tokens:]
-        delta_lp = req.output_logprobs[state.sent_tokens:] if req.sampling_params.logprobs is not None else []
-        delta_text = state.text[state.sent_text:]
-        state.sent_tokens = len(req.output_token_ids)
-        state.sent_text = len(state.text)
-        # Finished outputs get their own lists; intermediate ones share the request's growing lists, so a
-        # step costs O(new tokens), not O(all tokens) (streaming consumers read the delta_* fields).
-        finished = req.finished
-        token_ids = list(req.output_token_ids) if finished else req.output_token_ids
-        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
-        out = CompletionOutput(
-            index=0, text=state.text, token_ids=token_ids,
-            logprobs=(list(logprobs) if finished else logprobs) if logprobs is not None else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason, delta_text=delta_text,
-            delta_token_ids=delta_ids, delta_logprobs=delta_lp)
-        metrics = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            metrics["first_token_time"] = req.first_token_time
+        out = request_output(req, self._text[req.request_id])
         if req.finished:
             self.requests.pop(req.request_id, None)
             self._text.pop(req.request_id, None)
-        prompt_lp = None
-        if req.sampling_params.prompt_logprobs is not None:
-            prompt_lp = list(req.prompt_logprobs) + [None] * (req.num_prompt_tokens - len(req.prompt_logprobs))
-        return RequestOutput(req.request_id, req.prompt_token_ids, [out], req.finished, error=req.error,
-                             prompt=state.prompt, metrics=metrics, num_cached_tokens=req.num_cached_tokens,
-                             prompt_logprobs=prompt_lp)
+        return out
