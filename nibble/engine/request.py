@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -136,9 +137,10 @@ class Request:
             self._block_digests = block_digests(self.prefix_key_ids, block_size, root=self.digest_root)
         return self._block_digests
 
-    @property
+    @cached_property
     def digest_root(self) -> bytes:
-        """Where the request's digest chain starts (prefix_cache.salt_root of its cache_salt)."""
+        """Where the request's digest chain starts (prefix_cache.salt_root of its cache_salt); asked for every
+        round a request waits, so hashed once."""
         return salt_root(self.sampling_params.cache_salt)
 
     def token_slice(self, start: int, end: int) -> list[int]:
