@@ -20,7 +20,7 @@ from nibble.engine.config import EngineConfig
 from nibble.engine.llm_engine import EngineOverloaded, LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
-from nibble.models.multimodal import ImageInputs
+from nibble.models.multimodal import ImageInputs, VideoInputs
 
 logger = logging.getLogger("nibble.engine")
 
@@ -57,10 +57,12 @@ class AsyncEngine:
         return self.engine.stats()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       images: ImageInputs | None = None) -> AsyncIterator[RequestOutput]:
+                       images: ImageInputs | None = None, videos: VideoInputs | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Raises RequestError/
-        SamplingParamsError (bad input), EngineOverloaded or EngineDead before the first output. images: the
-        prompt's preprocessed images (`LLMEngine.prepare_images`), its placeholders already expanded."""
+        SamplingParamsError (bad input), EngineOverloaded or EngineDead before the first output. images,
+        videos: the prompt's preprocessed images and videos (`LLMEngine.prepare_media`), its placeholders
+        already expanded."""
         if not self.is_alive:
             raise EngineDead(self.dead_reason or "the engine thread has stopped")
         request_id = request_id or uuid.uuid4().hex
@@ -71,7 +73,7 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         added: Future[None] = Future()
         self._streams[request_id] = (loop, stream)
-        self._commands.put(("add", request_id, prompt, params, added, images))
+        self._commands.put(("add", request_id, prompt, params, added, images, videos))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(added)
@@ -123,11 +125,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, request_id, prompt, params, added, images = cmd
+                _, request_id, prompt, params, added, images, videos = cmd
                 if not added.set_running_or_notify_cancel():
                     continue  # the caller went away before the engine saw the request
                 try:
-                    self.engine.add_request(request_id, prompt, params, images=images)
+                    self.engine.add_request(request_id, prompt, params, images=images, videos=videos)
                 except BaseException as e:  # handed to the caller, who maps it to HTTP
                     added.set_exception(e)
                 else:

@@ -1,11 +1,16 @@
 """Offline batch inference in the vLLM convention: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-Images (models with a vision tower): a prompt dict's `multi_modal_data` {"image": one image or a list}
-(PIL images, RGB uint8 arrays [H, W, 3], encoded bytes, data-URL strings, or http(s):// and file:// URLs,
-fetched under the engine's media policy: engine/media.py, `allowed_local_media_path` for file://), with one
-image placeholder per image in the prompt (`<|vision_start|><|image_pad|><|vision_end|>` as the chat
-template writes it), as vLLM takes them; `chat` takes {"type": "image_url", "image_url": {"url": ...}} and
-{"type": "image", "image": ...} content parts.
+Images and videos (models with a vision tower): a prompt dict's `multi_modal_data` {"image": one image or a
+list, "video": one video or a list}, with one placeholder per image and per video in the prompt
+(`<|vision_start|><|image_pad|><|vision_end|>`, `<|vision_start|><|video_pad|><|vision_end|>`, as the chat
+template writes them), as vLLM takes them. An image is a PIL image, an RGB uint8 array [H, W, 3], encoded
+bytes or a data-URL string; a video is an RGB uint8 array [T, H, W, 3] of sampled frames, a list of frames
+(inside the list of videos: {"video": [[frame, ...]]}), (frames, metadata) or an encoded video (bytes, a
+data:video URL; decoded with PyAV: models/video_decode.py);
+either may be an http(s):// or file:// URL, fetched under the engine's media policy (engine/media.py,
+`allowed_local_media_path` for file://). `chat` takes {"type": "image_url", "image_url": {"url": ...}},
+{"type": "video_url", "video_url": {"url": ...}}, {"type": "image", "image": ...} and
+{"type": "video", "video": ...} content parts.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.tokenizer import Tokenizer
-from nibble.models.multimodal import take_images
+from nibble.models.multimodal import take_media
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -73,10 +78,10 @@ class LLM:
             for p, copy in zip(items, copies):
                 self._counter += 1
                 rid = f"offline-{self._counter}"
-                prompt, raw_images = p
-                if raw_images:
-                    prompt, images = self.engine.prepare_images(prompt, raw_images)
-                    self.engine.add_request(rid, prompt, copy, images=images)
+                prompt, raw_images, raw_videos = p
+                if raw_images or raw_videos:
+                    prompt, images, videos = self.engine.prepare_media(prompt, raw_images, raw_videos)
+                    self.engine.add_request(rid, prompt, copy, images=images, videos=videos)
                 else:
                     self.engine.add_request(rid, prompt, copy)
                 ids.append(rid)
@@ -104,33 +109,42 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conv in conversations:
-            conv, images = take_images(conv)  # type: ignore[arg-type]
+            conv, images, videos = take_media(conv)  # type: ignore[arg-type]
             text = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                            enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+            media = {"image": images, "video": videos}
+            prompts.append({"prompt": text, "multi_modal_data": media} if images or videos else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
-    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], list[Any]]]:
-        """(prompt, its raw images) per prompt."""
+    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], list[Any], list[Any]]]:
+        """(prompt, its raw images, its raw videos) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        out: list[tuple[str | list[int], list[Any]]] = []
+        out: list[tuple[str | list[int], list[Any], list[Any]]] = []
         for p in prompts:  # type: ignore[union-attr]
             if isinstance(p, dict):
-                image = (p.get("multi_modal_data") or {}).get("image")
+                data = p.get("multi_modal_data") or {}
+                image, video = data.get("image"), data.get("video")
                 images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+                # one video may itself be a (frames, metadata) tuple; any other list or tuple lists videos
+                single = not isinstance(video, (list, tuple)) or _is_video_with_metadata(video)
+                videos = [] if video is None else [video] if single else list(video)
                 if "prompt_token_ids" in p:
-                    out.append((list(p["prompt_token_ids"]), images))
+                    out.append((list(p["prompt_token_ids"]), images, videos))
                 elif "prompt" in p:
-                    out.append((str(p["prompt"]), images))
+                    out.append((str(p["prompt"]), images, videos))
                 else:
                     raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             elif isinstance(p, str):
-                out.append((p, []))
+                out.append((p, [], []))
             else:
-                out.append((list(p), []))
+                out.append((list(p), [], []))
         return out
+
+
+def _is_video_with_metadata(video: Any) -> bool:
+    return isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict)
 
 
 def _copy(sp: SamplingParams) -> SamplingParams:

@@ -37,7 +37,7 @@ from nibble.engine.chat_template import ChatTemplate, ChatTemplateError, load_ch
 from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.generation_config import GenerationConfigError, load_generation_defaults
-from nibble.engine.image_requests import ImageArg, ImageRequests
+from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.outputs import TextState, request_output, store_prompt_logprobs
@@ -52,7 +52,7 @@ from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
 from nibble.models.mrope import MRopeParams
-from nibble.models.multimodal import ImageInputs
+from nibble.models.multimodal import ImageInputs, VideoInputs
 
 logger = logging.getLogger("nibble.engine")
 
@@ -135,7 +135,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        # image input: only with a vision tower (under tensor parallelism on rank 0, this process)
+        # image and video input: only with a vision tower (under tensor parallelism on rank 0, this process)
         visual = getattr(self.model, "visual", None)
         self.images = (ImageRequests(self.model_dir, visual.config.patch_dim, config.media_policy)
                        if visual is not None else None)
@@ -230,12 +230,14 @@ class LLMEngine:
         return self.config.served_model_name or self.config.model
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    images: ImageArg | None = None) -> Request:
+                    images: ImageArg | None = None, videos: VideoArg | None = None) -> Request:
         """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input.
 
         images: the prompt's images, preprocessed (`vision_processor.preprocess_images`' (pixel_values,
         grid_thw), or a list of `ProcessedImage`), in prompt order; the prompt must then hold one
-        image_token_id placeholder per image token (`expand_image_prompt`)."""
+        image_token_id placeholder per image token (`expand_image_prompt`). videos: likewise its videos
+        (`VideoInputs`, a list of `ProcessedVideo`, or (pixel_values, grid_thw)), the prompt holding each
+        temporal patch's video_token_id placeholders (`expand_video_prompt`)."""
         params = params or SamplingParams()
         params.validate()
         self.check_priority(params)
@@ -284,8 +286,8 @@ class LLMEngine:
             except StructuredOutputError as exc:
                 raise RequestError(f"structured outputs: {exc}") from None
         req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar)
-        if images is not None:
-            self._attach_images(req, images)
+        if images is not None or videos is not None:
+            self._attach_vision(req, images, videos)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
@@ -300,16 +302,17 @@ class LLMEngine:
 
     @property
     def mrope(self) -> MRopeParams | None:
-        """The checkpoint's M-RoPE settings when it takes image input, else None."""
+        """The checkpoint's M-RoPE settings when it takes image and video input, else None."""
         return self.images.mrope if self.images is not None else None
 
-    def _attach_images(self, req: Request, images: ImageArg) -> None:
+    def _attach_vision(self, req: Request, images: ImageArg | None, videos: VideoArg | None) -> None:
         if self.images is None:
-            raise RequestError("this model has no vision tower: image input is not supported")
+            raise RequestError("this model has no vision tower: image and video input are not supported")
         try:
-            self.images.attach(req, images)
+            self.images.attach(req, images, videos)
         except ValueError as exc:
-            raise RequestError(f"images: {exc}") from None
+            what = "videos" if images is None else "images" if videos is None else "images and videos"
+            raise RequestError(f"{what}: {exc}") from None
 
     def expand_image_prompt(self, prompt_ids: list[int], images: ImageArg) -> list[int]:
         """The prompt with its one image placeholder per image (as the chat template writes them) repeated to
@@ -321,22 +324,51 @@ class LLMEngine:
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
 
-    def prepare_images(self, prompt: str | list[int], raw_images: list[Any]) -> tuple[list[int], ImageInputs]:
-        """A prompt with one placeholder per image (as the chat template writes them) and its raw images (PIL
-        images, RGB arrays, data URLs, bytes, or http(s):// and file:// URLs, fetched here under the config's
-        media policy, blocking) as add_request takes them: token ids with each placeholder expanded, and the
-        preprocessed images. RequestError for a bad image or URL, or a model without image input."""
+    def expand_video_prompt(self, prompt_ids: list[int], videos: VideoArg) -> list[int]:
+        """The prompt with its one video placeholder per video (as the chat template writes them) replaced by
+        each temporal patch's timestamp text (`<1.2 seconds>`, tokenized with the engine's tokenizer) and
+        placeholders. RequestError on a count mismatch, a model without video input or without a tokenizer."""
         if self.images is None:
-            raise RequestError("this model does not take image input (no vision tower loaded)")
+            raise RequestError("this model does not take video input")
+        if self.tokenizer is None:
+            raise RequestError("videos: a video's frame timestamps are text, and this model has no tokenizer")
+        tokenizer = self.tokenizer
         try:
-            images = self.images.preprocess(raw_images)
+            return self.images.expand_video_prompt(prompt_ids, videos,
+                                                   lambda text: tokenizer.encode(text, add_special_tokens=False))
+        except ValueError as exc:
+            raise RequestError(f"videos: {exc}") from None
+
+    def prepare_media(self, prompt: str | list[int], raw_images: list[Any], raw_videos: list[Any] | None = None
+                      ) -> tuple[list[int], ImageInputs | None, VideoInputs | None]:
+        """A prompt with one placeholder per image and per video (as the chat template writes them) and its raw
+        images (PIL images, RGB arrays, data URLs, bytes) and videos (frames, (frames, metadata), encoded bytes,
+        data URLs), each also as an http(s):// or file:// URL (fetched here under the config's media policy,
+        blocking), as add_request takes them: token ids with each placeholder expanded, and the preprocessed
+        images and videos (None when there are none). RequestError for a bad image, video or URL, or a model
+        without a vision tower."""
+        if self.images is None:
+            kind = "image" if raw_images else "video"
+            raise RequestError(f"this model does not take {kind} input (no vision tower loaded)")
+        images = videos = None
+        try:
+            images = self.images.preprocess(raw_images) if raw_images else None
         except ValueError as exc:
             raise RequestError(f"images: {exc}") from None
+        try:
+            videos = self.images.preprocess_videos(raw_videos) if raw_videos else None
+        except ValueError as exc:
+            raise RequestError(f"videos: {exc}") from None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send token ids as the prompt")
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.expand_image_prompt(list(prompt), images), images
+        ids = list(prompt)
+        if images is not None:
+            ids = self.expand_image_prompt(ids, images)
+        if videos is not None:
+            ids = self.expand_video_prompt(ids, videos)
+        return ids, images, videos
 
     def check_priority(self, params: SamplingParams) -> None:
         """Refuse a request priority other than 0 unless the engine schedules by priority, as vLLM does: under

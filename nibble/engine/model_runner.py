@@ -258,10 +258,10 @@ class ModelRunner(SpecSteps):
         known tokens are not sampled. inflight_tokens: int64 [rows] on the device, the tokens sampled by
         the step still in flight, which the requests' pending placeholders stand for (request.py)."""
         step = StepInputs.from_schedule(sched)
-        if self.mrope is not None and any(r.has_images for r in sched.requests):
+        if self.mrope is not None and any(r.has_vision for r in sched.requests):
             step.position_offsets, step.mm = image_step_inputs(
                 sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
-                self.mrope.image_token_id, self.device)
+                self.mrope, self.device)
         if self.broadcast is not None:
             if inflight_tokens is not None:
                 raise RuntimeError("overlapped scheduling does not run under tensor parallelism")

@@ -12,7 +12,7 @@ import torch
 from nibble.engine.prefix_cache import block_digests, salt_root
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
-from nibble.models.multimodal import ImageInputs
+from nibble.models.multimodal import ImageInputs, VideoInputs
 
 # A fed token sampled by a step still in flight: PENDING_BASE - row, row in that step's sampled tokens.
 PENDING_BASE = -1
@@ -64,11 +64,12 @@ class Request:
     the last one, fed with it in the next verify step (not part of the request's tokens); `spec_slots` are
     the GDN slots besides `state_slot` where that step leaves the states after each draft.
 
-    Image input (multimodal.py): `images` holds the preprocessed images, `mrope_positions` int64 [3, prompt
-    len] the prompt's 3-D rotary positions and `mrope_delta` the offset from token index to position of every
-    token after the prompt; `image_embeds` [image tokens, hidden] (on the device) is the vision tower's
-    output, computed at the request's first prefill chunk; `cache_prompt_ids` is the prompt as the prefix
-    cache keys it, each placeholder replaced by an id of its image's content (`multimodal.image_cache_ids`).
+    Image and video input (multimodal.py): `images` / `videos` hold the preprocessed images and videos,
+    `mrope_positions` int64 [3, prompt len] the prompt's 3-D rotary positions and `mrope_delta` the offset
+    from token index to position of every token after the prompt; `image_embeds` [image tokens, hidden] and
+    `video_embeds` [video tokens, hidden] (on the device) are the vision tower's output, computed at the first
+    prefill chunk that feeds a placeholder of their kind; `cache_prompt_ids` is the prompt as the prefix cache
+    keys it, each placeholder replaced by an id of its image's or video's content (`multimodal.vision_cache_ids`).
     """
 
     request_id: str
@@ -97,9 +98,11 @@ class Request:
     # sampling_params.prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     images: ImageInputs | None = field(default=None, repr=False)
+    videos: VideoInputs | None = field(default=None, repr=False)
     mrope_positions: torch.Tensor | None = field(default=None, repr=False)
     mrope_delta: int = 0
     image_embeds: torch.Tensor | None = field(default=None, repr=False)
+    video_embeds: torch.Tensor | None = field(default=None, repr=False)
     cache_prompt_ids: list[int] | None = field(default=None, repr=False)
     _block_digests: list[bytes] | None = field(default=None, repr=False)
     # (prefix index version, answer) of the last BlockManager.awaits_cut
@@ -114,8 +117,9 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.pending_rows)
 
     @property
-    def has_images(self) -> bool:
-        return self.images is not None
+    def has_vision(self) -> bool:
+        """Whether the prompt holds images or videos (3-D positions, vision-tower rows)."""
+        return self.images is not None or self.videos is not None
 
     @property
     def num_pending_tokens(self) -> int:
@@ -127,7 +131,7 @@ class Request:
 
     @property
     def prefix_key_ids(self) -> list[int]:
-        """The prompt as the prefix cache keys it: its token ids, image placeholders replaced by image ids."""
+        """The prompt as the prefix cache keys it: its token ids, placeholders replaced by image and video ids."""
         return self.prompt_token_ids if self.cache_prompt_ids is None else self.cache_prompt_ids
 
     def block_digests(self, block_size: int) -> list[bytes]:

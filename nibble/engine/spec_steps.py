@@ -72,10 +72,10 @@ class SpecSteps:
         sampled by the regular sampler. Under tensor parallelism the step goes to the other ranks first, and
         what this rank samples follows it (`send_tokens`) before the MTP head's passes."""
         step = StepInputs.from_schedule(sched, speculative=True)
-        if self.mrope is not None and any(r.has_images for r in sched.requests):
+        if self.mrope is not None and any(r.has_vision for r in sched.requests):
             step.position_offsets, step.mm = image_step_inputs(
                 sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
-                self.mrope.image_token_id, self.device)
+                self.mrope, self.device)
         if self.broadcast is not None:
             self.broadcast(step)
         out = self._spec_step(step, sched.requests, generator, bitmask)

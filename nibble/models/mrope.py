@@ -1,5 +1,5 @@
 """Multimodal rotary positions (M-RoPE) of Qwen3.5: 3-D (temporal, height, width) position ids for prompts
-that mix text and image placeholder tokens, and the interleaved cos/sin they select.
+that mix text, image and video placeholder tokens, and the interleaved cos/sin they select.
 
 Positions, as transformers' `Qwen3_5MoeModel.get_rope_index` computes them:
 
@@ -7,6 +7,9 @@ Positions, as transformers' `Qwen3_5MoeModel.get_rope_index` computes them:
 - an image whose grid is (t, h, w) patches fills its t * (h/m) * (w/m) placeholder tokens (m: spatial merge
   size), in row-major (t, row, column) order, with (p + ti, p + row, p + column); p then advances by
   max(h, w) / m, so text after a still image continues at the image's largest position + 1;
+- a video whose grid is (t, h, w) is t frames (temporal patches) of grid (1, h, w), each placed like an
+  image: Qwen3.5 writes every frame's placeholders apart, after its timestamp text, so time advances through
+  the text positions rather than the temporal axis (transformers splits video_grid_thw the same way);
 - after the prompt, token index i decodes at position i + delta on all three axes, delta = max position
   + 1 - prompt length (0 for text-only prompts, negative with images).
 
@@ -42,16 +45,17 @@ DEFAULT_MROPE_SECTION = (11, 11, 10)
 
 @dataclass(frozen=True)
 class MRopeParams:
-    """What the 3-D positions need from a multimodal config.json."""
+    """What the 3-D positions need from a multimodal config.json (video_token_id: None when it has none)."""
 
     image_token_id: int
     spatial_merge_size: int = 2
     mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
+    video_token_id: int | None = None
 
     @classmethod
     def from_config_dict(cls, raw: dict[str, Any]) -> MRopeParams:
-        """From a `Qwen3_5MoeForConditionalGeneration` config.json: top-level `image_token_id`,
-        `vision_config.spatial_merge_size`, `text_config.rope_parameters.mrope_section`."""
+        """From a `Qwen3_5MoeForConditionalGeneration` config.json: top-level `image_token_id` and
+        `video_token_id`, `vision_config.spatial_merge_size`, `text_config.rope_parameters.mrope_section`."""
         if "image_token_id" not in raw:
             raise ValueError("config has no image_token_id: not a multimodal Qwen3.5 config")
         text = raw.get("text_config") or {}
@@ -60,7 +64,9 @@ class MRopeParams:
         if len(section) != 3:
             raise ValueError(f"mrope_section {section} must have 3 entries")
         merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
-        return cls(int(raw["image_token_id"]), merge, section)  # type: ignore[arg-type]
+        video = raw.get("video_token_id")
+        return cls(int(raw["image_token_id"]), merge, section,  # type: ignore[arg-type]
+                   int(video) if video is not None else None)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> MRopeParams:
@@ -69,45 +75,58 @@ class MRopeParams:
 
 def mrope_positions(input_ids: Sequence[int] | torch.Tensor,
                     image_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None,
-                    image_token_id: int, spatial_merge_size: int = 2) -> tuple[torch.Tensor, int]:
+                    image_token_id: int, spatial_merge_size: int = 2,
+                    video_grid_thw: Sequence[Sequence[int]] | torch.Tensor | None = None,
+                    video_token_id: int | None = None) -> tuple[torch.Tensor, int]:
     """3-D positions of one prompt.
 
     input_ids: [L] token ids, each image's placeholders as `image_token_id` runs of
-    t * h * w / spatial_merge_size**2 tokens; image_grid_thw: [num_images, 3] (t, h, w) in patches, in prompt
-    order (None or empty for text). Adjacent images may share one run. Computed on the host. Returns
-    (positions int64 [3, L], delta), delta being the offset from token index to position for the tokens
-    after the prompt. ValueError when placeholders and grids disagree.
+    t * h * w / spatial_merge_size**2 tokens, each video frame's (temporal patch's) as a `video_token_id` run
+    of h * w / spatial_merge_size**2; image_grid_thw / video_grid_thw: [num_items, 3] (t, h, w) in patches, in
+    prompt order (None or empty: none). Adjacent images may share one run. video_token_id None: no video
+    placeholders (its tokens count as text). Computed on the host. Returns (positions int64 [3, L], delta),
+    delta being the offset from token index to position for the tokens after the prompt. ValueError when
+    placeholders and grids disagree.
     """
     ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1).cpu()
-    grid_rows = torch.as_tensor([] if image_grid_thw is None else image_grid_thw, dtype=torch.int64).reshape(-1, 3)
-    grids = [tuple(int(v) for v in g) for g in grid_rows.tolist()]
+    grids = {image_token_id: ("image", _grids(image_grid_thw))}
+    videos = _grids(video_grid_thw)
+    if videos:
+        if video_token_id is None:
+            raise ValueError("video grids given without a video_token_id")
+        grids[video_token_id] = ("video frame", [(1, h, w) for t, h, w in videos for _ in range(t)])
     length = ids.numel()
     positions = torch.empty(3, length, dtype=torch.int64)
     if length == 0:
-        if grids:
-            raise ValueError(f"{len(grids)} image grids for an empty prompt")
+        if any(g for _, g in grids.values()):
+            raise ValueError("image or video grids for an empty prompt")
         return positions, 0
-    is_image = ids == image_token_id
-    bounds = [0, *(torch.nonzero(is_image[1:] != is_image[:-1]).flatten() + 1).tolist(), length]
+    # kind of each token: its placeholder id, or -1 for text
+    kind = torch.full_like(ids, -1)
+    for tok in grids:
+        kind[ids == tok] = tok
+    bounds = [0, *(torch.nonzero(kind[1:] != kind[:-1]).flatten() + 1).tolist(), length]
     m = spatial_merge_size
     pos = 0
-    next_grid = 0
+    used = dict.fromkeys(grids, 0)
     for start, end in itertools.pairwise(bounds):
-        if not bool(is_image[start]):
+        tok = int(kind[start])
+        if tok == -1:
             positions[:, start:end] = torch.arange(pos, pos + end - start)
             pos += end - start
             continue
+        name, items = grids[tok]
         i = start
         while i < end:
-            if next_grid == len(grids):
-                raise ValueError(f"image placeholder at token {i} but only {len(grids)} image grids")
-            t, h, w = grids[next_grid]
+            if used[tok] == len(items):
+                raise ValueError(f"{name} placeholder at token {i} but only {len(items)} {name} grids")
+            t, h, w = items[used[tok]]
             if h % m or w % m or min(t, h, w) <= 0:
-                raise ValueError(f"image grid {(t, h, w)} is not a positive multiple of the merge size {m}")
+                raise ValueError(f"{name} grid {(t, h, w)} is not a positive multiple of the merge size {m}")
             gh, gw = h // m, w // m
             n = t * gh * gw
             if i + n > end:
-                raise ValueError(f"image {next_grid} (grid {(t, h, w)}) needs {n} placeholders, "
+                raise ValueError(f"{name} {used[tok]} (grid {(t, h, w)}) needs {n} placeholders, "
                                  f"the run at token {i} has {end - i}")
             cell = torch.arange(n)
             positions[0, i:i + n] = pos + cell // (gh * gw)
@@ -115,10 +134,16 @@ def mrope_positions(input_ids: Sequence[int] | torch.Tensor,
             positions[2, i:i + n] = pos + cell % gw
             pos += max(h, w) // m
             i += n
-            next_grid += 1
-    if next_grid != len(grids):
-        raise ValueError(f"{len(grids)} image grids but placeholders for {next_grid}")
+            used[tok] += 1
+    for tok, (name, items) in grids.items():
+        if used[tok] != len(items):
+            raise ValueError(f"{len(items)} {name} grids but placeholders for {used[tok]}")
     return positions, int(positions.max()) + 1 - length
+
+
+def _grids(grid_thw: Sequence[Sequence[int]] | torch.Tensor | None) -> list[tuple[int, int, int]]:
+    rows = torch.as_tensor([] if grid_thw is None else grid_thw, dtype=torch.int64).reshape(-1, 3)
+    return [(int(t), int(h), int(w)) for t, h, w in rows.tolist()]
 
 
 def mrope_decode_positions(start: int, count: int, delta: int) -> torch.Tensor:

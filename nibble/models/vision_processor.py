@@ -18,7 +18,7 @@ The prompt gets grid_t * grid_h * grid_w / merge_size**2 image placeholder token
 `decode_image` turns a `data:` URL or raw bytes (those of a fetched URL too: engine/media.py) into the RGB
 image this expects (EXIF orientation applied, transparency composited onto white as the processor does).
 
-Exact against transformers; the engine (`LLMEngine.prepare_images`, for the offline API and the server)
+Exact against transformers; the engine (`LLMEngine.prepare_media`, for the offline API and the server)
 preprocesses with it.
 PIL is imported inside functions so that `import nibble` does not need it.
 """

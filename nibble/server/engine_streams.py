@@ -16,18 +16,19 @@ from dataclasses import dataclass
 from nibble.engine.async_engine import AsyncEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
-from nibble.models.multimodal import ImageInputs
+from nibble.models.multimodal import ImageInputs, VideoInputs
 
 
 @dataclass
 class EngineJob:
-    """One engine request: its id, prompt (text or token ids), sampling parameters and images (preprocessed,
-    the prompt's placeholders expanded)."""
+    """One engine request: its id, prompt (text or token ids), sampling parameters, images and videos
+    (preprocessed, the prompt's placeholders expanded)."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     images: ImageInputs | None = None
+    videos: VideoInputs | None = None
 
 
 # Called once per engine request when it ends: (index, last output or None, finish reason, end time).
@@ -54,7 +55,7 @@ class EngineStreams:
         """`background` holds cleanup tasks so they are not garbage-collected before they finish."""
         self._engine = engine
         self._jobs = jobs
-        self._gens = [engine.generate(j.prompt, j.params, j.request_id, images=j.images) for j in jobs]
+        self._gens = [engine.generate(j.prompt, j.params, j.request_id, images=j.images, videos=j.videos) for j in jobs]
         self._on_finish = on_finish
         self._background = background
         self._pending: dict[asyncio.Future[RequestOutput | None], int] = {}

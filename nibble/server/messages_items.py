@@ -103,7 +103,7 @@ class _Conversation:
             if kind == "text":
                 texts.append({"type": "text", "text": _block_str(block, "text", loc)})
             elif kind == "image":
-                # the chat handler's image path takes it from here (multimodal.take_images)
+                # the chat handler's image path takes it from here (multimodal.take_media)
                 texts.append({"type": "image_url", "image_url": {"url": _image_url(block, loc)}})
             elif kind == "tool_result":
                 flush()

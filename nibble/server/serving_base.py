@@ -23,7 +23,7 @@ from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.engine.structured_output import StructuredOutputError, StructuredOutputsParams
-from nibble.models.multimodal import ImageInputs, take_images
+from nibble.models.multimodal import ImageInputs, VideoInputs, take_media
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request, from_engine_error
 from nibble.server.metrics import ServerMetrics
@@ -243,20 +243,21 @@ class OpenAIServing:
     async def render_chat_with_images(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                                       add_generation_prompt: bool, template_kwargs: dict[str, Any],
                                       continue_final_message: bool = False
-                                      ) -> tuple[str, list[int], ImageInputs | None]:
-        """`render_chat`, off the event loop, for messages that may hold image parts: each becomes the template's
-        vision placeholder, expanded after tokenizing to its image's token count, and the images are fetched (an
-        http(s):// or file:// URL, under the engine's media policy: engine/media.py) and preprocessed. Returns
-        (prompt text, token ids, images or None). A template error is render_chat's 400; a bad image, a URL that
-        cannot be fetched or a model without a vision tower raises RequestError (its message names the URL and
-        the reason), which the caller names by its own field."""
-        messages, raw_images = take_images(messages)
+                                      ) -> tuple[str, list[int], ImageInputs | None, VideoInputs | None]:
+        """`render_chat`, off the event loop, for messages that may hold image and video parts (image_url,
+        video_url): each becomes the template's placeholder, expanded after tokenizing (an image's to its token
+        count, a video's to its frames' timestamps and placeholders), and the images and videos are fetched (an
+        http(s):// or file:// URL, under the engine's media policy: engine/media.py), decoded and preprocessed.
+        Returns (prompt text, token ids, images or None, videos or None). A template error is render_chat's
+        400; a bad image or video, a URL that cannot be fetched or a model without a vision tower raises
+        RequestError (its message names the URL and the reason), which the caller names by its own field."""
+        messages, raw_images, raw_videos = take_media(messages)
         prompt, ids = await asyncio.to_thread(self.render_chat, messages, tools, add_generation_prompt,
                                               template_kwargs, continue_final_message)
-        if not raw_images:
-            return prompt, ids, None
-        ids, images = await asyncio.to_thread(self.core.prepare_images, ids, raw_images)
-        return prompt, ids, images
+        if not raw_images and not raw_videos:
+            return prompt, ids, None, None
+        ids, images, videos = await asyncio.to_thread(self.core.prepare_media, ids, raw_images, raw_videos)
+        return prompt, ids, images, videos
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
                      max_param: str = "max_tokens") -> None:

@@ -113,7 +113,7 @@ class ChatServing(OpenAIServing):
             self.require_tokenizer()
             kwargs = self._template_kwargs(req, body)
             try:
-                prompt, ids, images = await self.render_chat_with_images(
+                prompt, ids, images, videos = await self.render_chat_with_images(
                     req.messages, req.tools_for_template, req.add_generation_prompt, kwargs,
                     req.continue_final_message)
             except RequestError as exc:
@@ -132,7 +132,7 @@ class ChatServing(OpenAIServing):
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
-            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p, images)
+            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p, images, videos)
                     for j, p in enumerate(self.choice_params(params, req.n))]
             streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)

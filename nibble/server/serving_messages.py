@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from nibble.engine.llm_engine import RequestError
 from nibble.engine.request import CompletionOutput, RequestOutput
-from nibble.models.multimodal import ImageInputs
+from nibble.models.multimodal import ImageInputs, VideoInputs
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
@@ -153,21 +153,22 @@ class MessagesServing(ChatServing):
         return kwargs, omit
 
     async def _render(self, req: CountTokensRequest, body: dict[str, Any]
-                      ) -> tuple[ChatCompletionRequest, list[int], bool, bool, ImageInputs | None]:
+                      ) -> tuple[ChatCompletionRequest, list[int], bool, bool, ImageInputs | None, VideoInputs | None]:
         """(chat request, the prompt's token ids (image placeholders expanded), whether the prompt leaves the
-        model thinking, whether thinking text is omitted, the preprocessed images or None)."""
+        model thinking, whether thinking text is omitted, the preprocessed images or None, the videos or None:
+        Anthropic blocks hold no video, but the chat path is shared)."""
         self.check_model(req.model)
         self.require_tokenizer()
         chat_body = self._chat_body(req, body)
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs, omit = self._template_kwargs_of(req, chat, chat_body)
         try:
-            prompt, ids, images = await self.render_chat_with_images(chat.messages, chat.tools_for_template, True,
-                                                                     kwargs)
+            prompt, ids, images, videos = await self.render_chat_with_images(chat.messages, chat.tools_for_template,
+                                                                             True, kwargs)
         except RequestError as exc:
             raise invalid_request(f"messages: {exc}", param="messages") from None
         thinking = leaves_thinking(prompt, kwargs)
-        return chat, ids, thinking, omit, images
+        return chat, ids, thinking, omit, images, videos
 
     def _error(self, request_id: str, exc: BaseException, start: float) -> AnthropicError:
         return AnthropicError.of(self.fail(request_id, exc, start), _PARAM_NAMES)
@@ -178,7 +179,7 @@ class MessagesServing(ChatServing):
         request_id = message_id()
         try:
             req = parse_model(CountTokensRequest, body)
-            _, ids, _, _, _ = await wait_unless_disconnected(self._render(req, body), request)
+            _, ids, _, _, _, _ = await wait_unless_disconnected(self._render(req, body), request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
@@ -187,13 +188,13 @@ class MessagesServing(ChatServing):
 
     async def _prepare(self, req: MessagesRequest, body: dict[str, Any], request_id: str, request: Request) -> _Job:
         reject_unsupported(body, MESSAGES_UNSUPPORTED_FIELDS)
-        chat, ids, thinking, omit, images = await self._render(req, body)
+        chat, ids, thinking, omit, images, videos = await self._render(req, body)
         self.check_length(len(ids), None, "messages")
         max_tokens = min(req.max_tokens, self.max_model_len - len(ids))
         structured = await self.structured_outputs(chat, after_reasoning=thinking,
                                                    tool_grammar=self._tool_grammar(chat))
         params = self.sampling_params(chat, max_tokens, None, structured)
-        streams = self.engine_streams([EngineJob(request_id, ids, params, images)])
+        streams = self.engine_streams([EngineJob(request_id, ids, params, images, videos)])
         await wait_unless_disconnected(streams.start(), request)
         return _Job(req, chat, len(ids), thinking, omit, streams, request_id)
 

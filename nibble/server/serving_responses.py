@@ -157,8 +157,8 @@ class ResponsesServing(ChatServing):
         chat = parse_model(ChatCompletionRequest, chat_body)
         kwargs = self._template_kwargs_of(req, chat, chat_body)
         try:
-            prompt, ids, images = await self.render_chat_with_images(chat.messages, chat.tools_for_template, True,
-                                                                     kwargs)
+            prompt, ids, images, videos = await self.render_chat_with_images(chat.messages, chat.tools_for_template,
+                                                                             True, kwargs)
         except RequestError as exc:
             raise bad_request(str(exc), param="input") from None
         self.check_length(len(ids), req.max_output_tokens, "input", "max_output_tokens")
@@ -177,7 +177,7 @@ class ResponsesServing(ChatServing):
             temperature=params.temperature, top_p=params.top_p, top_logprobs=req.top_logprobs,
             max_output_tokens=req.max_output_tokens, store=req.store and self.store.enabled,
             metadata=req.metadata or {}, user=req.user)
-        streams = self.engine_streams([EngineJob(request_id, ids, params, images)])
+        streams = self.engine_streams([EngineJob(request_id, ids, params, images, videos)])
         await wait_unless_disconnected(streams.start(), request)
         input_items = [*history, *input_items_with_ids(req.input)]
         return _Job(req, chat, len(ids), thinking, streams, response, input_items)

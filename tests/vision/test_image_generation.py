@@ -247,13 +247,13 @@ def test_generate_with_multi_modal_data(checkpoint: tuple[Path, Any], tmp_path: 
 
 
 def test_chat_image_parts_become_template_placeholders() -> None:
-    from nibble.models.multimodal import VISION_PLACEHOLDER, take_images
+    from nibble.models.multimodal import VISION_PLACEHOLDER, take_media
 
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x"}},
         {"type": "image", "image": "IMG"}, {"type": "text", "text": "b"}]}]
-    conv, images = take_images(messages)
-    assert images == ["data:x", "IMG"]
+    conv, images, videos = take_media(messages)
+    assert images == ["data:x", "IMG"] and videos == []
     assert [p["text"] for p in conv[0]["content"]] == ["a", VISION_PLACEHOLDER, VISION_PLACEHOLDER, "b"]
 
 

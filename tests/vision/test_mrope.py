@@ -184,8 +184,9 @@ def test_params_from_config(tmp_path: Path) -> None:
     if SHARED_CONFIG.is_file():
         shutil.copy(SHARED_CONFIG, dst)
     else:
-        dst.write_text(json.dumps({"image_token_id": IMAGE, "vision_config": {"spatial_merge_size": 2},
+        dst.write_text(json.dumps({"image_token_id": IMAGE, "video_token_id": IMAGE + 1,
+                                   "vision_config": {"spatial_merge_size": 2},
                                    "text_config": {"rope_parameters": {"mrope_section": [11, 11, 10]}}}))
-    assert MRopeParams.from_model_dir(tmp_path) == MRopeParams(IMAGE, 2, (11, 11, 10))
+    assert MRopeParams.from_model_dir(tmp_path) == MRopeParams(IMAGE, 2, (11, 11, 10), IMAGE + 1)
     with pytest.raises(ValueError, match="image_token_id"):
         MRopeParams.from_config_dict({"text_config": {}})
