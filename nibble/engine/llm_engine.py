@@ -13,11 +13,12 @@ Speculative decoding (`EngineConfig.num_speculative_tokens`, the MTP head drafti
 end before the next is scheduled (`_spec_step`), since a verify step's accepted count moves the positions
 of the next; a decoding request gets up to num_speculative_tokens + 1 tokens per step.
 
-Penalties (repetition/presence/frequency) and structured outputs need the token of the step before on the
-host: the sampler counts it, the grammar's matcher must have taken it before it can say which tokens come
-next. While a request uses them, the queued step's forward pass still goes ahead, but its sampling is
-deferred (`_Launched.logits`) until the host has handled the step before; the GPU keeps running the forward
-pass meanwhile, and sampling queues behind it.
+Penalties (repetition/presence/frequency), structured outputs and bad words of several tokens need the token
+of the step before on the host: the sampler counts it, the grammar's matcher must have taken it before it can
+say which tokens come next, a bad word's last token is banned only right after its other tokens. While a
+request uses them, the queued step's forward pass still goes ahead, but its sampling is deferred
+(`_Launched.logits`) until the host has handled the step before; the GPU keeps running the forward pass
+meanwhile, and sampling queues behind it.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ from nibble.engine.outputs import TextState, request_output, store_prompt_logpro
 from nibble.engine.parallel import WorkerGroup
 from nibble.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
-from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
+from nibble.engine.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
 from nibble.engine.spec_sampler import needs_full_sampler
 from nibble.engine.structured_output import GrammarBackend, StructuredOutputError
+from nibble.engine.token_masks import check_token_fields, needs_token_context
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
@@ -253,6 +255,13 @@ class LLMEngine:
             prompt_ids = list(prompt)
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            image_token = self.mrope.image_token_id if images is not None and self.mrope is not None else None
+            cut = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len, image_token)
+            if prompt_text is not None and len(cut) < len(prompt_ids) and self.tokenizer is not None:
+                # the output's prompt is the one the model saw
+                prompt_text = self.tokenizer.decode(cut, skip_special_tokens=False)
+            prompt_ids = cut
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
@@ -262,6 +271,7 @@ class LLMEngine:
         biased = [t for t in (params.logit_bias or {}) if t >= vocab]
         if biased:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {biased[:5]}")
+        bad_words_ids = check_token_fields(params, self.tokenizer, vocab)
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} tokens, which leaves no room to generate")
@@ -285,7 +295,8 @@ class LLMEngine:
                 grammar = self.structured_output_backend().compile(params.structured_outputs)
             except StructuredOutputError as exc:
                 raise RequestError(f"structured outputs: {exc}") from None
-        req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar)
+        req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar,
+                      bad_words_ids=bad_words_ids)
         if images is not None or videos is not None:
             self._attach_vision(req, images, videos)
         if params.seed is not None:
@@ -499,8 +510,10 @@ class LLMEngine:
                 and all(r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running))
 
     def _needs_host_tokens(self) -> bool:
-        """Whether a running request samples from its earlier tokens (penalties, a grammar's matcher)."""
-        return any(r.sampling_params.needs_penalties or r.grammar is not None for r in self.scheduler.running)
+        """Whether a running request samples from its earlier tokens (penalties, a grammar's matcher, bad words
+        of several tokens)."""
+        return any(r.sampling_params.needs_penalties or r.grammar is not None or needs_token_context(r)
+                   for r in self.scheduler.running)
 
     def _launch(self, inflight: _Launched | None, defer_sampling: bool = False) -> _Launched | None:
         """Schedule a batch and queue its model work and, unless defer_sampling, its sampling; `inflight`:

@@ -107,6 +107,10 @@ class Request:
     _block_digests: list[bytes] | None = field(default=None, repr=False)
     # (prefix index version, answer) of the last BlockManager.awaits_cut
     awaits_cut_at: tuple[int, bool] | None = field(default=None, repr=False)
+    # sampling_params.bad_words as the token sequences they ban (token_masks.tokenize_bad_words)
+    bad_words_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # sampling_params.allowed_token_ids as a device mask, bool [V] (True: banned), built at its first sampling
+    allowed_ban_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,11 +1,11 @@
 """Sampling on the model's device for a batch of requests with per-request settings.
 
 Order: non-finite guard -> logit_bias -> penalties (repetition, presence, frequency over the generated tokens;
-repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> structured output
-bitmask -> temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential-race trick (argmax
-p / q, q ~ Exp(1)), with q drawn from the request's own generator when it has a seed, so a seeded request
-gives the same tokens whatever else is in the batch. Log-probabilities are those of the raw model
-distribution.
+repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> allowed_token_ids and
+bad_words masks (token_masks.py) -> structured output bitmask -> temperature -> top-k -> top-p -> min-p ->
+sample. Sampling uses the exponential-race trick (argmax p / q, q ~ Exp(1)), with q drawn from the request's
+own generator when it has a seed, so a seeded request gives the same tokens whatever else is in the batch.
+Log-probabilities are those of the raw model distribution.
 
 `sample_launch` queues all of it on the device and starts non-blocking copies of the results to the host; its
 `PendingSample.token_ids` can feed the next step before the host has seen them (the engine's overlapped
@@ -20,6 +20,7 @@ import torch
 
 from nibble.engine.request import Request, TokenLogprobs
 from nibble.engine.structured_output import apply_token_bitmask
+from nibble.engine.token_masks import mask_allowed_token_ids, mask_bad_words
 from nibble.kernels.host_copy import to_device_async
 
 
@@ -172,6 +173,10 @@ def sample_launch(logits: torch.Tensor, requests: list[Request], generator: torc
     _add_logit_bias(logits, requests)
     _penalize(logits, requests)
     _suppress_stop_tokens(logits, requests, own_pending)
+    mask_allowed_token_ids(logits, requests)
+    # the generated tokens are all on the host here: the engine defers the sampling of requests whose
+    # bad words need the latest token (llm_engine._needs_host_tokens)
+    mask_bad_words(logits, requests)
     if bitmask is not None and bitmask[0]:
         apply_token_bitmask(logits, _on(bitmask[0], torch.int64, logits.device),
                             to_device_async(bitmask[1], logits.device))

@@ -9,6 +9,9 @@ from nibble.engine.structured_output import StructuredOutputsParams
 # Each stop token id is checked against every sampled token of the request: bound the list a client sends.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+# bad_words are matched against the generated tokens of every sampled row on the engine thread: bound the list
+# (vLLM's own limit is 128 words).
+MAX_BAD_WORDS = 128
 
 
 class SamplingParamsError(ValueError):
@@ -34,6 +37,12 @@ class SamplingParams:
     priority: vLLM's request priority under `--scheduling-policy priority` (lower values are served first, ties
     by arrival; the engine refuses anything but 0 under fcfs). vLLM takes it beside the sampling parameters;
     here it travels with them, so that every endpoint's way into the engine carries it.
+    allowed_token_ids: vLLM's field: only these token ids may be sampled (a non-empty list; the engine checks
+    them against the vocabulary).
+    bad_words: vLLM's field: words the output must not contain. The engine tokenizes each as vLLM does (as
+    written and with a leading space); a one-token word is never sampled, a longer one's last token is not
+    sampled right after its other tokens (token_masks.py).
+    truncate_prompt_tokens: vLLM's field: keep only the last k prompt tokens (-1: the engine's max_model_len).
     """
 
     n: int = 1
@@ -58,12 +67,20 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     cache_salt: str | None = None
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, (tuple, set)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):
+            # an empty list bans nothing, as in vLLM (whose default it is)
+            self.bad_words = list(self.bad_words) or None
         self.validate()
 
     def validate(self) -> None:
@@ -109,6 +126,7 @@ class SamplingParams:
                     raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token "
                                               f"{token}")
 
+        self._validate_token_fields()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams, got "
@@ -116,6 +134,30 @@ class SamplingParams:
             if self.min_tokens:
                 raise SamplingParamsError("min_tokens cannot be combined with structured outputs (the grammar "
                                           f"decides where the output ends), got {self.min_tokens}")
+
+    def _validate_token_fields(self) -> None:
+        """allowed_token_ids, bad_words and truncate_prompt_tokens; the messages quote at most a few entries of
+        the lists, which may be long."""
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not allowed:
+                raise SamplingParamsError("allowed_token_ids must be a non-empty list of token ids")
+            bad = [t for t in allowed if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+            if bad:
+                raise SamplingParamsError(f"allowed_token_ids must be token ids (integers >= 0), got {bad[:5]}")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise SamplingParamsError("bad_words must be a list of strings")
+            if len(words) > MAX_BAD_WORDS:
+                raise SamplingParamsError(f"bad_words must have at most {MAX_BAD_WORDS} entries, got {len(words)}")
+            blank = [w for w in words if not w.strip()]
+            if blank:
+                raise SamplingParamsError(f"bad_words entries must not be empty or only whitespace, got {blank[0]!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+            raise SamplingParamsError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's "
+                                      f"maximum length, got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -129,3 +171,26 @@ class SamplingParams:
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and x == x and x not in (float("inf"), float("-inf"))
+
+
+def truncate_prompt(prompt_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int,
+                    image_token_id: int | None = None) -> list[int]:
+    """The last `truncate_prompt_tokens` tokens of a prompt (-1: max_model_len of them), as vLLM truncates
+    (from the left); the prompt itself when it is no longer or the field is None. SamplingParamsError when k
+    exceeds max_model_len, as in vLLM, or when the cut would drop tokens of an image (`image_token_id`):
+    what is left of the image would no longer match its pixels."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return prompt_ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise SamplingParamsError(f"truncate_prompt_tokens must be at most the maximum context length "
+                                  f"({max_model_len}), got {k}")
+    if len(prompt_ids) <= k:
+        return prompt_ids
+    cut = len(prompt_ids) - k
+    if image_token_id is not None and image_token_id in prompt_ids[:cut]:
+        raise SamplingParamsError(f"truncate_prompt_tokens {k} would cut into an image of the prompt (it has "
+                                  f"{len(prompt_ids)} tokens); keep at least the tokens from its first image on")
+    return prompt_ids[cut:]

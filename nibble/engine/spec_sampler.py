@@ -10,9 +10,12 @@ target model one token at a time. Greedy rows accept a draft iff it is the arg-m
 
 Rows that need host-side state (penalties, logit bias, structured outputs, min_tokens not reached yet)
 accept no draft: their one token is sampled from position 0 by the regular sampler (sampler.py), so
-everything it supports keeps working, one token per step. Log-probabilities (of the raw target
-distribution, as the regular sampler reports them) are computed for every position of the rows that want
-them.
+everything it supports keeps working, one token per step. allowed_token_ids and bad_words keep their drafts:
+the other rows' target logits are masked at every position first (token_masks.py; a position's bad words
+follow the generated tokens and the drafts before it), so that acceptance and the token sampled after the
+accepted drafts follow the masked distribution, as the regular sampler's would. Log-probabilities (of the
+raw target distribution, before the masks, as the regular sampler reports them) are computed for every
+position of the rows that want them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from nibble.engine.request import Request
 from nibble.engine.sampler import PendingSample, _filter, _on, sample_launch
+from nibble.engine.token_masks import mask_allowed_token_ids, mask_bad_words_with_drafts
 
 
 def needs_full_sampler(req: Request) -> bool:
@@ -58,8 +62,10 @@ RANDOM_GROUP = 32
 @torch.inference_mode()
 def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Request],
                   generator: torch.Generator | None = None,
-                  bitmask: tuple[list[int], torch.Tensor] | None = None) -> Acceptance:
-    """logits: fp32 [B, n, V] (modified in place); drafts: int64 [B, n - 1] on the logits' device.
+                  bitmask: tuple[list[int], torch.Tensor] | None = None,
+                  host_drafts: list[list[int]] | None = None) -> Acceptance:
+    """logits: fp32 [B, n, V] (modified in place); drafts: int64 [B, n - 1] on the logits' device, and
+    host_drafts the same on the host (read from `drafts` when a row's bad words need them and it is None).
     bitmask: the structured-output bitmask of full rows, as `sample_launch` takes it (rows index
     `requests`). A position whose logits are not finite accepts no draft after it; a row is bad only when
     the position its new token comes from is."""
@@ -70,6 +76,18 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Req
     logits.masked_fill_(bad_pos[..., None], 0.0)
     full_rows = [i for i, r in enumerate(requests) if needs_full_sampler(r)]
     full_set = set(full_rows)
+    lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None and i not in full_set]
+    # full rows get their masks from the regular sampler, which must see their raw logits for their log-probs
+    masked = [i for i, r in enumerate(requests)
+              if i not in full_set and (r.sampling_params.allowed_token_ids or r.bad_words_ids)]
+    raw = None
+    if lp_rows and set(masked) & set(lp_rows):
+        raw = torch.log_softmax(logits[_on(lp_rows, torch.int64, device)], dim=-1)  # before the masks
+    if masked:
+        mask_allowed_token_ids(logits, requests, masked)
+        if any(requests[i].bad_words_ids for i in masked):
+            mask_bad_words_with_drafts(logits, requests, drafts.tolist() if host_drafts is None else host_drafts,
+                                       masked)
     target = torch.argmax(logits, dim=-1)
     match = drafts == target[:, :-1]
     random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and i not in full_set]
@@ -98,11 +116,12 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Req
     cols = torch.arange(n, device=device)[None, :]
     tokens = torch.where(cols < num_accepted[:, None], padded, bonus[:, None])
     bad = bad_pos.gather(1, num_accepted[:, None])[:, 0]
-    lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None and i not in full_set]
     parts: tuple[torch.Tensor, ...] = ()
     if lp_rows:
         lidx = _on(lp_rows, torch.int64, device)
-        raw = torch.log_softmax(logits[lidx], dim=-1)
+        if raw is None:
+            # no masked row among them: computed only now, after the acceptance's temporaries are freed
+            raw = torch.log_softmax(logits[lidx], dim=-1)
         parts = (raw.gather(-1, tokens[lidx][..., None])[..., 0],)
         max_top = max(requests[i].sampling_params.logprobs or 0 for i in lp_rows)
         if max_top > 0:

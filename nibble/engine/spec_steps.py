@@ -165,9 +165,9 @@ class SpecSteps:
         acc = None
         if requests is not None:
             assert bitmask is not None
-            drafts_in = to_device_async(torch.tensor([t[1:] for t in step.token_ids], dtype=torch.int64),
-                                        self.device)
-            acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests))
+            host_drafts = [t[1:] for t in step.token_ids]
+            drafts_in = to_device_async(torch.tensor(host_drafts, dtype=torch.int64), self.device)
+            acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests), host_drafts)
             kept = self._sampled_everywhere(torch.cat((acc.tokens, acc.num_accepted[:, None]), dim=1))
         else:
             kept = self._sampled_everywhere(None).view(num_seqs, n + 1)

@@ -107,6 +107,12 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM extras: only these tokens may be sampled; words the output must not contain (nibble/engine/
+    # token_masks.py); keep only the last k prompt tokens (-1: max_model_len); logprobs name tokens "token_id:<id>"
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -142,6 +148,22 @@ class _SamplingRequest(_Request):
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not v:
+            raise ValueError("must not be empty (leave it out to allow every token)")
+        if v and any(i < 0 for i in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v is not None and v < 1 and v != -1:
+            raise ValueError(f"must be >= 1, or -1 for the model's maximum length, got {v}")
         return v
 
     @field_validator("response_format")
@@ -276,6 +298,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM/transformers: generation continues the final (assistant) message instead of starting a new turn
     continue_final_message: bool = False
     include_reasoning: bool = True
+    # vLLM extra: log-probabilities of the prompt tokens, returned as the response's top-level prompt_logprobs
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("tool_choice")
     @classmethod
@@ -497,6 +521,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM extra (request field `prompt_logprobs`): as in a completions choice, for the rendered prompt
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

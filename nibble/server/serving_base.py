@@ -21,7 +21,7 @@ from nibble.engine.async_engine import AsyncEngine, EngineDead
 from nibble.engine.chat_template import ChatTemplateError
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
-from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
+from nibble.engine.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
 from nibble.engine.structured_output import StructuredOutputError, StructuredOutputsParams
 from nibble.models.multimodal import ImageInputs, VideoInputs, take_media
 from nibble.server.engine_streams import EngineJob, EngineStreams
@@ -54,13 +54,7 @@ DISCONNECT_POLL_S = 0.2
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty (beam search) is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported here; /v1/completions returns them (prompt_logprobs, or "
-                       "echo=true with logprobs)",
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "bad_words": "bad_words is not supported",
-    "truncate_prompt_tokens": "prompt truncation is not supported",
     "logits_processors": "logits processors are not supported",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
 }
 
 # Request bodies above this size are refused (413): even a 256k-token prompt as JSON is far smaller.
@@ -320,11 +314,23 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids,
-                structured_outputs=structured, cache_salt=req.cache_salt, priority=req.priority)
+                structured_outputs=structured, cache_salt=req.cache_salt, priority=req.priority,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
             self.core.check_priority(params)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
         return params
+
+    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, has_images: bool = False) -> list[int]:
+        """The prompt's token ids cut to the request's `truncate_prompt_tokens` (the last k; -1: max_model_len),
+        as vLLM cuts them, before the length checks and usage; a 400 naming the field when k exceeds
+        max_model_len or the cut would split off image tokens."""
+        mrope = self.core.mrope if has_images else None
+        try:
+            return truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len,
+                                   mrope.image_token_id if mrope is not None else None)
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), param="truncate_prompt_tokens") from None
 
     @staticmethod
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -3,6 +3,7 @@ reasoning, content and tool calls, streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ from nibble.engine.llm_engine import RequestError
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message, chat_finish_reason
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import ClientDisconnected, bad_request
-from nibble.server.logprobs import chat_logprobs
+from nibble.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from nibble.server.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -109,6 +110,9 @@ class ChatServing(OpenAIServing):
             if modalities is not None and modalities != ["text"]:
                 raise bad_request("modalities: only ['text'] is supported", param="modalities")
             req = parse_model(ChatCompletionRequest, body)
+            if req.stream and req.prompt_logprobs:
+                # as vLLM: a chat stream has no place for them
+                raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
             self.check_model(req.model)
             self.require_tokenizer()
             kwargs = self._template_kwargs(req, body)
@@ -118,6 +122,7 @@ class ChatServing(OpenAIServing):
                     req.continue_final_message)
             except RequestError as exc:
                 raise bad_request(str(exc), param="messages") from None
+            ids = self.truncate(ids, req.truncate_prompt_tokens, images is not None)
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
@@ -131,6 +136,8 @@ class ChatServing(OpenAIServing):
             structured = await self.structured_outputs(req, after_reasoning=thinking,
                                                        tool_grammar=self._tool_grammar(req))
             params = self.sampling_params(req, max_tokens, logprobs, structured)
+            if req.prompt_logprobs is not None and not req.stream:
+                params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
             jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p, images, videos)
                     for j, p in enumerate(self.choice_params(params, req.n))]
@@ -160,7 +167,8 @@ class ChatServing(OpenAIServing):
             lp = None
             if req.logprobs and self.token_texts is not None:
                 lp = ChatCompletionLogProbs(content=chat_logprobs(c.logprobs or [], self.token_texts,
-                                                                  req.top_logprobs or 0))
+                                                                  req.top_logprobs or 0,
+                                                                  bool(req.return_tokens_as_token_ids)))
             choices.append(ChatCompletionResponseChoice(
                 index=j, message=message, logprobs=lp, finish_reason=chat_finish_reason(c.finish_reason,
                                                                                         bool(message.tool_calls)),
@@ -168,8 +176,12 @@ class ChatServing(OpenAIServing):
         usage = usage_of(list(outputs), [len(ids)])
         self.log_request(request_id, 200, usage.prompt_tokens, usage.completion_tokens,
                          ",".join(sorted({ch.finish_reason or "-" for ch in choices})), start)
-        return json_response(ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                                    usage=usage))
+        # every choice has the same prompt: one top-level list, as vLLM returns it
+        prompt_lps = outputs[0].prompt_logprobs if req.prompt_logprobs is not None else None
+        return json_response(ChatCompletionResponse(
+            id=request_id, model=self.served_model_name, choices=choices, usage=usage,
+            prompt_logprobs=vllm_prompt_logprobs(prompt_lps, self.token_texts, req.prompt_logprobs or 0)
+            if prompt_lps is not None else None))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams: EngineStreams, num_prompt: int,
                       thinking: bool, parse_tools: bool, start: float) -> AsyncIterator[str]:
@@ -207,7 +219,8 @@ class ChatServing(OpenAIServing):
                 lp = None
                 if req.logprobs and self.token_texts is not None and c.delta_logprobs:
                     lp = ChatCompletionLogProbs(content=chat_logprobs(c.delta_logprobs, self.token_texts,
-                                                                      req.top_logprobs or 0))
+                                                                      req.top_logprobs or 0,
+                                                                      bool(req.return_tokens_as_token_ids)))
                 if delta is not None or lp is not None:
                     yield chunk(delta or DeltaMessage(), index=j, logprobs=lp, usage=running_usage())
                 if out.finished:

@@ -14,7 +14,12 @@ from fastapi.responses import Response
 from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected
-from nibble.server.logprobs import clamp_logprob, completion_logprobs, join_logprobs, prompt_completion_logprobs
+from nibble.server.logprobs import (
+    completion_logprobs,
+    join_logprobs,
+    prompt_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from nibble.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -39,27 +44,27 @@ from nibble.server.serving_base import (
 )
 from nibble.server.sse import DONE_EVENT, EventStreamResponse
 
-# /v1/completions returns vLLM's prompt_logprobs (serving_chat.py still refuses them).
-COMPLETION_UNSUPPORTED_FIELDS = {k: v for k, v in UNSUPPORTED_FIELDS.items() if k != "prompt_logprobs"}
-
 # OpenAI's default for /v1/completions when max_tokens is not given.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 class CompletionServing(OpenAIServing):
     """Handler of /v1/completions."""
 
-    def _prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+    def _prompt_ids(self, req: CompletionRequest) -> tuple[list[list[int]], list[bool]]:
+        """Each prompt's token ids, cut to `truncate_prompt_tokens`, and whether the cut shortened it."""
         prompts = req.prompts
         if any(isinstance(p, str) for p in prompts):
             self.require_tokenizer()
-        ids = []
+        ids, cut = [], []
         for i, prompt in enumerate(prompts):
             tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) and self.tokenizer else list(prompt)
             if not tokens:
                 where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 raise APIError(400, f"{where}: the prompt is empty", param="prompt")
-            ids.append(tokens)
-        return ids
+            kept = self.truncate(tokens, req.truncate_prompt_tokens)
+            ids.append(kept)
+            cut.append(len(kept) < len(tokens))
+        return ids, cut
 
     def _max_tokens(self, req: CompletionRequest, num_prompt_tokens: int) -> int:
         room = self.max_model_len - num_prompt_tokens
@@ -75,10 +80,10 @@ class CompletionServing(OpenAIServing):
         start = time.monotonic()
         request_id = random_id("cmpl")
         try:
-            reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
+            reject_unsupported(body, UNSUPPORTED_FIELDS)
             req = parse_model(CompletionRequest, body)
             self.check_model(req.model)
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+            prompt_ids, cut = await asyncio.to_thread(self._prompt_ids, req)
             structured = await self.structured_outputs(req)
             jobs = []
             for i, ids in enumerate(prompt_ids):
@@ -99,7 +104,7 @@ class CompletionServing(OpenAIServing):
             return self.fail(request_id, exc, start).response()
         prompt_lens = [len(ids) for ids in prompt_ids]
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, streams, prompt_lens, start), streams.close)
+            return EventStreamResponse(self._stream(req, request_id, streams, prompt_lens, cut, start), streams.close)
         try:
             outputs = await wait_unless_disconnected(streams.drain(), request)
             for out in outputs:
@@ -112,10 +117,11 @@ class CompletionServing(OpenAIServing):
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            echo_text, echo_logprobs, offset = self._echo(req, i // req.n, out)
+            echo_text, echo_logprobs, offset = self._echo(req, i // req.n, out, cut[i // req.n])
             logprobs = None
             if req.logprobs is not None and self.token_texts is not None:
-                logprobs, _ = completion_logprobs(c.logprobs or [], self.token_texts, offset, req.logprobs)
+                logprobs, _ = completion_logprobs(c.logprobs or [], self.token_texts, offset, req.logprobs,
+                                                  bool(req.return_tokens_as_token_ids))
                 if echo_logprobs is not None:
                     logprobs = join_logprobs(echo_logprobs, logprobs)
             choices.append(CompletionResponseChoice(index=i, text=echo_text + c.text, logprobs=logprobs,
@@ -127,46 +133,30 @@ class CompletionServing(OpenAIServing):
         return json_response(CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                                 usage=usage))
 
-    def _echo(self, req: CompletionRequest, prompt_index: int, out: RequestOutput
+    def _echo(self, req: CompletionRequest, prompt_index: int, out: RequestOutput, cut: bool
               ) -> tuple[str, CompletionLogProbs | None, int]:
-        """With `echo`: prompt `prompt_index`'s text (as sent, or decoded from its token ids), its logprobs when
-        the request asks for logprobs, and the text offset the generated tokens start at; ("", None, 0)
-        without."""
+        """With `echo`: prompt `prompt_index`'s text (as sent, or decoded from its token ids; decoded from the
+        tokens kept when `truncate_prompt_tokens` cut it, `cut`), its logprobs when the request asks for
+        logprobs, and the text offset the generated tokens start at; ("", None, 0) without."""
         if not req.echo:
             return "", None, 0
-        prompt = req.prompts[prompt_index]
+        prompt = out.prompt_token_ids if cut else req.prompts[prompt_index]
         text = prompt if isinstance(prompt, str) else (self.tokenizer.decode(prompt) if self.tokenizer else "")
         if req.logprobs is None or self.token_texts is None:
             return text, None, len(text)
         logprobs, _ = prompt_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], self.token_texts,
-                                                 req.logprobs)
+                                                 req.logprobs, bool(req.return_tokens_as_token_ids))
         return text, logprobs, len(text)
 
     def _vllm_prompt_logprobs(self, req: CompletionRequest, out: RequestOutput
                               ) -> list[dict[int, PromptLogprob] | None] | None:
-        """vLLM's `prompt_logprobs` of a choice (request field `prompt_logprobs`): per prompt token, that token
-        and the top alternatives by id, each with its log-probability, rank (the alternatives' by their order)
-        and text; null for the first token."""
+        """vLLM's `prompt_logprobs` of a choice (request field `prompt_logprobs`; logprobs.vllm_prompt_logprobs)."""
         if req.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
-        texts = self.token_texts
-        result: list[dict[int, PromptLogprob] | None] = []
-        for entry in out.prompt_logprobs:
-            if entry is None:
-                result.append(None)
-                continue
-            row = {token: PromptLogprob(logprob=clamp_logprob(value), rank=rank,
-                                        decoded_token=texts.text(token) if texts is not None else None)
-                   for rank, (token, value) in enumerate(
-                       sorted(entry.top.items(), key=lambda kv: -kv[1])[:req.prompt_logprobs], start=1)}
-            row.setdefault(entry.token_id, PromptLogprob(
-                logprob=clamp_logprob(entry.logprob), rank=entry.rank,
-                decoded_token=texts.text(entry.token_id) if texts is not None else None))
-            result.append(row)
-        return result
+        return vllm_prompt_logprobs(out.prompt_logprobs, self.token_texts, req.prompt_logprobs)
 
     async def _stream(self, req: CompletionRequest, request_id: str, streams: EngineStreams,
-                      prompt_lens: list[int], start: float) -> AsyncIterator[str]:
+                      prompt_lens: list[int], cut: list[bool], start: float) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(streams)
         echoed = [False] * len(streams)
@@ -188,11 +178,11 @@ class CompletionServing(OpenAIServing):
                 if not echoed[i]:
                     # the first chunk of a choice starts with the echoed prompt
                     echoed[i] = True
-                    echo_text, echo_logprobs, offsets[i] = self._echo(req, i // req.n, out)
+                    echo_text, echo_logprobs, offsets[i] = self._echo(req, i // req.n, out, cut[i // req.n])
                 logprobs: CompletionLogProbs | None = None
                 if req.logprobs is not None and self.token_texts is not None:
                     logprobs, offsets[i] = completion_logprobs(c.delta_logprobs, self.token_texts, offsets[i],
-                                                               req.logprobs)
+                                                               req.logprobs, bool(req.return_tokens_as_token_ids))
                     if echo_logprobs is not None:
                         logprobs = join_logprobs(echo_logprobs, logprobs)
                 text = echo_text + c.delta_text
