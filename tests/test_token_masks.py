@@ -248,10 +248,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     with pytest.raises(SamplingParamsError, match=r"truncate_prompt_tokens must be at most .* \(256\), got 300"):
         llm.engine.add_request("x", prompt, _with(params, truncate_prompt_tokens=300))
     # the image tokens (id 9 here) are all kept, since the request's images stay, or the cut is refused
-    assert truncate_prompt([1, 9, 9, 2, 3], 4, 100, image_token_id=9) == [9, 9, 2, 3]
+    assert truncate_prompt([1, 9, 9, 2, 3], 4, 100, vision_token_ids=(9,)) == [9, 9, 2, 3]
     for k in (3, 2):
         with pytest.raises(SamplingParamsError, match="would cut into an image"):
-            truncate_prompt([1, 9, 9, 2, 3], k, 100, image_token_id=9)
+            truncate_prompt([1, 9, 9, 2, 3], k, 100, vision_token_ids=(9,))
 
 
 @pytest.mark.parametrize(("changes", "match"), [

@@ -256,8 +256,8 @@ class LLMEngine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.truncate_prompt_tokens is not None:
-            image_token = self.mrope.image_token_id if images is not None and self.mrope is not None else None
-            cut = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len, image_token)
+            vision = self.vision_token_ids() if images is not None or videos is not None else ()
+            cut = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len, vision)
             if prompt_text is not None and len(cut) < len(prompt_ids) and self.tokenizer is not None:
                 # the output's prompt is the one the model saw
                 prompt_text = self.tokenizer.decode(cut, skip_special_tokens=False)
@@ -310,6 +310,13 @@ class LLMEngine:
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
+
+    def vision_token_ids(self) -> tuple[int, ...]:
+        """The placeholder ids of images and videos (none for a model without a vision tower)."""
+        mrope = self.mrope
+        if mrope is None:
+            return ()
+        return (mrope.image_token_id,) + ((mrope.video_token_id,) if mrope.video_token_id is not None else ())
 
     @property
     def mrope(self) -> MRopeParams | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from nibble.engine.structured_output import StructuredOutputsParams
@@ -174,11 +175,11 @@ def _finite(x: float) -> bool:
 
 
 def truncate_prompt(prompt_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int,
-                    image_token_id: int | None = None) -> list[int]:
+                    vision_token_ids: Collection[int] = ()) -> list[int]:
     """The last `truncate_prompt_tokens` tokens of a prompt (-1: max_model_len of them), as vLLM truncates
     (from the left); the prompt itself when it is no longer or the field is None. SamplingParamsError when k
-    exceeds max_model_len, as in vLLM, or when the cut would drop tokens of an image (`image_token_id`):
-    what is left of the image would no longer match its pixels."""
+    exceeds max_model_len, as in vLLM, or when the cut would drop placeholders of an image or a video
+    (`vision_token_ids`): what is left of it would no longer match its pixels."""
     k = truncate_prompt_tokens
     if k is None:
         return prompt_ids
@@ -190,7 +191,7 @@ def truncate_prompt(prompt_ids: list[int], truncate_prompt_tokens: int | None, m
     if len(prompt_ids) <= k:
         return prompt_ids
     cut = len(prompt_ids) - k
-    if image_token_id is not None and image_token_id in prompt_ids[:cut]:
-        raise SamplingParamsError(f"truncate_prompt_tokens {k} would cut into an image of the prompt (it has "
-                                  f"{len(prompt_ids)} tokens); keep at least the tokens from its first image on")
+    if vision_token_ids and not set(vision_token_ids).isdisjoint(prompt_ids[:cut]):
+        raise SamplingParamsError(f"truncate_prompt_tokens {k} would cut into an image or video of the prompt (it "
+                                  f"has {len(prompt_ids)} tokens); keep at least the tokens from its first one on")
     return prompt_ids[cut:]

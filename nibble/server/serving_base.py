@@ -321,14 +321,13 @@ class OpenAIServing:
             raise from_engine_error(exc) from None
         return params
 
-    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, has_images: bool = False) -> list[int]:
+    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, has_vision: bool = False) -> list[int]:
         """The prompt's token ids cut to the request's `truncate_prompt_tokens` (the last k; -1: max_model_len),
         as vLLM cuts them, before the length checks and usage; a 400 naming the field when k exceeds
-        max_model_len or the cut would split off image tokens."""
-        mrope = self.core.mrope if has_images else None
+        max_model_len or the cut would split off image or video tokens."""
         try:
             return truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len,
-                                   mrope.image_token_id if mrope is not None else None)
+                                   self.core.vision_token_ids() if has_vision else ())
         except SamplingParamsError as exc:
             raise bad_request(str(exc), param="truncate_prompt_tokens") from None
 

@@ -122,7 +122,7 @@ class ChatServing(OpenAIServing):
                     req.continue_final_message)
             except RequestError as exc:
                 raise bad_request(str(exc), param="messages") from None
-            ids = self.truncate(ids, req.truncate_prompt_tokens, images is not None)
+            ids = self.truncate(ids, req.truncate_prompt_tokens, images is not None or videos is not None)
             max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(ids), req.max_new_tokens, "messages", max_param)
             room = self.max_model_len - len(ids)
