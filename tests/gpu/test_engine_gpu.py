@@ -328,3 +328,29 @@ def test_prompt_logprobs_on_gpu() -> None:
         assert abs(entry.logprob - lp.logprob) < 1e-3
     stats = llm.engine.stats()
     assert stats["model_steps_eager"] > 0 and stats["model_steps_decode_graph"] > 0
+
+
+@pytest.mark.parametrize("num_spec", [0, 2])
+def test_token_masks_on_gpu(num_spec: int) -> None:
+    """allowed_token_ids and bad_words on the GPU (fp32, decode steps from CUDA graphs; overlapped scheduling,
+    or verify graphs under speculative decoding): the outputs equal the synchronous / plain run's, keep to the
+    allowed set and never contain a banned word's tokens."""
+    from tests.test_token_masks import _contains, _encoder, _mixed, tokenize_bad_words
+
+    plain = LLM(device="cuda", dtype="float32", max_model_len=256, async_scheduling=False, warmup=False,
+                extra={"num_kv_blocks": 128})
+    prompts, params = _mixed(plain)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    llm = LLM(device="cuda", dtype="float32", max_model_len=256, num_speculative_tokens=num_spec, warmup=False,
+              extra={"num_kv_blocks": 128})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # the seeded sampled request (row 2) draws other random numbers under speculative decoding
+    same = range(len(want)) if not num_spec else [i for i, p in enumerate(params) if p.temperature == 0.0]
+    assert [got[i] for i in same] == [want[i] for i in same]
+    stats = llm.engine.stats()
+    assert stats["model_steps_verify_graph" if num_spec else "model_steps_decode_graph"] > 0, stats
+    tok = llm.get_tokenizer()
+    for tokens, sp in zip(got, params):
+        assert not any(_contains(tokens, s) for s in tokenize_bad_words(sp.bad_words or [], _encoder(tok), 1024))
+        assert sp.allowed_token_ids is None or set(tokens) <= set(sp.allowed_token_ids)
