@@ -68,3 +68,40 @@ def test_image_generation_in_bf16_runs_clean(checkpoint: tuple[Path, Any]) -> No
     got = _generate(llm, prompts, [one, two])
     same = sum(tokens[:2] == _expected(reference, p, im)[:2] for p, im, tokens in zip(prompts, [one, two], got))
     assert same >= 1, got
+
+
+def test_video_and_image_prompt_logprobs_on_gpu(tmp_path: Path) -> None:
+    """A prompt with a video, an image and a second video on the GPU (fp32), in prefill chunks cut inside them:
+    every position's log-probability of the next prompt token is transformers' (vision rows, timestamps and
+    3-D positions of both kinds), and greedy decoding after it (from CUDA graphs) gives transformers' tokens."""
+    from nibble.engine.sampling_params import SamplingParams
+    from nibble.models.multimodal import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
+    from tests.vision.test_video import IMAGE, VIDEO, _frames, make_video_checkpoint
+    from tests.vision.test_video import _expected as _expected_video
+
+    model_dir = make_video_checkpoint(tmp_path / "video")
+    reference = _reference(model_dir)
+    llm = LLM(model=str(model_dir), device="cuda", dtype="float32", max_num_batched_tokens=8, max_model_len=256,
+              extra={"num_kv_blocks": 64})
+    prompt, images, videos = llm.engine.prepare_media(
+        f"a{VIDEO_PLACEHOLDER}b{VISION_PLACEHOLDER}c{VIDEO_PLACEHOLDER}d", [_frames(1, 16, 24, seed=2)[0]],
+        [_frames(5, 20, 30, seed=3), _frames(4, 16, 24, seed=4)])
+    assert images is not None and videos is not None
+    out = None
+    llm.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                       prompt_logprobs=1), images=images, videos=videos)
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out = o if o.finished else out
+    assert out is not None and out.prompt_logprobs is not None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = reference(ids, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw,
+                           pixel_values_videos=videos.pixel_values, video_grid_thw=videos.grid_thw,
+                           mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int()).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None and entry.token_id == prompt[p]
+        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=2e-3)
+    assert out.outputs[0].token_ids == _expected_video(reference, prompt, images, videos)
+    assert llm.engine.stats()["model_steps_decode_graph"] > 0
