@@ -44,6 +44,15 @@ def _naming_url(raw: Any, decode: Callable[[], Any]) -> Any:
         raise
 
 
+def vision_max_patches(model: Any, model_dir: str | Path) -> int | None:
+    """The most patches one vision-tower call takes: those of the largest image the image processor makes (a
+    video's temporal patches are grouped up to it); None without a tower."""
+    if getattr(model, "visual", None) is None:
+        return None
+    params = ImageProcessorParams.from_model_dir(model_dir)
+    return params.max_pixels // params.patch_size ** 2
+
+
 class ImageRequests:
     """Image and video settings of one checkpoint (M-RoPE, the processors', the tower's patch width, the video
     prompt's special tokens) and the media policy. Every method raises ValueError with the reason (the engine

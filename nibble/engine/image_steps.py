@@ -19,21 +19,45 @@ from nibble.models.multimodal import MultimodalStep, VisionInputs, chunk_positio
 from nibble.models.qwen3_5_vision import Qwen3_5VisionModel
 
 
+def vision_calls(grid_thw: torch.Tensor, max_patches: int | None) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """How to run the tower over images / videos of grids `grid_thw` [n, 3] in calls of at most `max_patches`
+    patches each (None: one call): (first patch, end patch, grids) per call. A video is split between its
+    temporal patches, each of which the tower attends within on its own (a frame pair alone gives the same rows);
+    one image or temporal patch larger than the limit is a call of its own."""
+    units = [(h, w) for t, h, w in grid_thw.tolist() for _ in range(t)]
+    calls: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    start = end = 0
+    grids: list[tuple[int, int, int]] = []
+    for h, w in units:
+        if grids and max_patches is not None and end - start + h * w > max_patches:
+            calls.append((start, end, grids))
+            start, grids = end, []
+        grids.append((1, h, w))
+        end += h * w
+    if grids:
+        calls.append((start, end, grids))
+    return calls
+
+
 def encode_vision(visual: Qwen3_5VisionModel | None, req: Request, inputs: VisionInputs,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, max_patches: int | None = None) -> torch.Tensor:
     """[placeholder tokens, hidden] on `device`: the vision tower's rows for the request's images or videos
-    (`inputs`), in prompt order."""
+    (`inputs`), in prompt order, from calls of at most `max_patches` patches (`vision_calls`): the tower's
+    working memory is then bounded by what the engine profiled, however many images a request holds."""
     if visual is None:
         raise RuntimeError(f"request {req.request_id}: image or video input, but the model has no vision tower")
-    pixels = inputs.pixel_values.to(device=device, dtype=visual.dtype)
-    return visual(pixels, inputs.grid_thw)
+    pixels = inputs.pixel_values
+    parts = [visual(pixels[a:b].to(device=device, dtype=visual.dtype), grids)
+             for a, b, grids in vision_calls(inputs.grid_thw, max_patches)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def image_step_inputs(requests: Sequence[Request], num_new_tokens: Sequence[int],
-                      visual: Qwen3_5VisionModel | None, mrope: MRopeParams, device: torch.device
-                      ) -> tuple[list[int], MultimodalStep | None]:
+                      visual: Qwen3_5VisionModel | None, mrope: MRopeParams, device: torch.device,
+                      max_patches: int | None = None) -> tuple[list[int], MultimodalStep | None]:
     """(position_offsets: each sequence's M-RoPE delta, [] when all are 0; the step's MultimodalStep when a
-    sequence feeds prompt tokens of an image or video request, else None)."""
+    sequence feeds prompt tokens of an image or video request, else None). max_patches: the most patches one
+    tower call takes (`encode_vision`)."""
     offsets = [r.mrope_delta for r in requests]
     if not any(offsets):
         offsets = []
@@ -55,7 +79,7 @@ def image_step_inputs(requests: Sequence[Request], num_new_tokens: Sequence[int]
                 if not local.numel():
                     continue
                 if getattr(req, attr) is None:
-                    setattr(req, attr, encode_vision(visual, req, inputs, device))
+                    setattr(req, attr, encode_vision(visual, req, inputs, device, max_patches))
                 # the chunk may start inside an image or video: its first placeholder's row is the count before it
                 first = sum(1 for t in prompt[:start] if t == token_id)
                 rows = torch.arange(first, first + local.numel(), device=device)

@@ -38,7 +38,7 @@ from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from nibble.engine.errors import EngineOverloaded, RequestError
 from nibble.engine.generation_config import GenerationConfigError, load_generation_defaults
-from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg
+from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg, vision_max_patches
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.outputs import TextState, request_output, store_prompt_logprobs
@@ -124,7 +124,8 @@ class LLMEngine(VisionPrompts):
                                     parallel=parallel, num_mtp_layers=num_mtp_layers(config, self.model_config))
             self.runner = ModelRunner(config, self.model_config, self.model, max_model_len, parallel=parallel,
                                       broadcast=self.workers.broadcast if self.workers is not None else None,
-                                      send_tokens=self.workers.send_tokens if self.workers is not None else None)
+                                      send_tokens=self.workers.send_tokens if self.workers is not None else None,
+                                      vision_max_patches=vision_max_patches(self.model, self.model_dir))
         except BaseException:
             self.shutdown()
             raise

@@ -11,6 +11,7 @@ sets: they capture them in step and all keep or all drop each one (`cuda_graphs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from itertools import accumulate, pairwise
 
@@ -79,15 +80,18 @@ def model_cache_dims(model_config: ModelConfig, model: nn.Module) -> dict[str, i
 
 
 def cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
-                 device: torch.device, parallel: ParallelContext = SINGLE) -> tuple[int, int]:
+                 device: torch.device, parallel: ParallelContext = SINGLE,
+                 vision_max_patches: int | None = None) -> tuple[int, int]:
     """(num_kv_blocks, num_state_slots) that fit the device's memory budget; under tensor parallelism,
-    the smallest block count any rank can hold, so that all ranks index the same blocks."""
-    num_blocks, num_slots = _rank_cache_budget(engine, model_config, max_model_len, model, device)
+    the smallest block count any rank can hold, so that all ranks index the same blocks. vision_max_patches:
+    the largest vision-tower call (`image_steps.encode_vision`), whose working memory is kept free too."""
+    num_blocks, num_slots = _rank_cache_budget(engine, model_config, max_model_len, model, device,
+                                               vision_max_patches)
     return parallel.host_min(num_blocks), num_slots
 
 
 def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_model_len: int, model: nn.Module,
-                       device: torch.device) -> tuple[int, int]:
+                       device: torch.device, vision_max_patches: int | None = None) -> tuple[int, int]:
     dtype, kv_dtype = engine.torch_dtype, engine.kv_torch_dtype
     num_slots = engine.num_state_slots
     dims = model_cache_dims(model_config, model)
@@ -98,6 +102,9 @@ def _rank_cache_budget(engine: EngineConfig, model_config: ModelConfig, max_mode
         return int(engine.extra["num_kv_blocks"]), num_slots
     if device.type == "cuda":
         peak = profile_peak_activation_bytes(engine, model_config, model, device)
+        visual = getattr(model, "visual", None)
+        if visual is not None and vision_max_patches:
+            peak = max(peak, profile_vision_peak_bytes(visual, vision_max_patches, device))
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * engine.gpu_memory_utilization) - used - peak
@@ -149,6 +156,24 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
     return int(peak)
 
 
+@torch.inference_mode()
+def profile_vision_peak_bytes(visual: nn.Module, max_patches: int, device: torch.device) -> int:
+    """The extra memory one vision-tower call of about max_patches patches (one square image, sides a multiple
+    of the merge size) peaks at."""
+    merge = visual.config.spatial_merge_size
+    side = max(merge, math.isqrt(max_patches) // merge * merge)
+    pixels = torch.randn(side * side, visual.config.patch_dim, device=device, dtype=visual.dtype)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    rows = visual(pixels, [(1, side, side)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del pixels, rows
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
 def _pending_inputs(ids: list[int], inflight_tokens: torch.Tensor | None, device: torch.device
                     ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
     """Flat input ids with pending placeholders (request.PENDING_BASE - row) set to 0, and (positions of
@@ -174,7 +199,8 @@ class ModelRunner(SpecSteps):
                  parallel: ParallelContext | None = None,
                  broadcast: Callable[[StepInputs], None] | None = None,
                  send_tokens: Callable[[torch.Tensor], None] | None = None,
-                 recv_tokens: Callable[[], torch.Tensor] | None = None) -> None:
+                 recv_tokens: Callable[[], torch.Tensor] | None = None,
+                 vision_max_patches: int | None = None) -> None:
         self.engine = engine
         self.model_config = model_config
         self.model = model
@@ -185,8 +211,10 @@ class ModelRunner(SpecSteps):
         self.broadcast = broadcast
         self.send_tokens = send_tokens
         self.recv_tokens = recv_tokens
+        # the most patches one vision-tower call takes (image_steps.encode_vision), profiled with the caches
+        self.vision_max_patches = vision_max_patches
         self.num_blocks, self.num_state_slots = cache_budget(engine, model_config, max_model_len, model, self.device,
-                                                             self.parallel)
+                                                             self.parallel, vision_max_patches)
         self.caches = ModelCaches.allocate(model_config, self.num_blocks, self.block_size, self.num_state_slots,
                                            engine.torch_dtype, engine.kv_torch_dtype, self.device,
                                            **model_cache_dims(model_config, model),
@@ -261,7 +289,7 @@ class ModelRunner(SpecSteps):
         if self.mrope is not None and any(r.has_vision for r in sched.requests):
             step.position_offsets, step.mm = image_step_inputs(
                 sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
-                self.mrope, self.device)
+                self.mrope, self.device, self.vision_max_patches)
         if self.broadcast is not None:
             if inflight_tokens is not None:
                 raise RuntimeError("overlapped scheduling does not run under tensor parallelism")

@@ -61,6 +61,7 @@ class SpecSteps:
     send_tokens: Callable[[torch.Tensor], None] | None
     recv_tokens: Callable[[], torch.Tensor] | None
     mrope: MRopeParams | None
+    vision_max_patches: int | None
     _prepare_caches: Callable[[StepInputs], None]
     _add_image_inputs: Callable[[ForwardBatch, MultimodalStep], None]
 
@@ -75,7 +76,7 @@ class SpecSteps:
         if self.mrope is not None and any(r.has_vision for r in sched.requests):
             step.position_offsets, step.mm = image_step_inputs(
                 sched.requests, sched.num_new_tokens, getattr(self.model, "visual", None),
-                self.mrope, self.device)
+                self.mrope, self.device, self.vision_max_patches)
         if self.broadcast is not None:
             self.broadcast(step)
         out = self._spec_step(step, sched.requests, generator, bitmask)

@@ -94,6 +94,31 @@ def test_images_do_not_see_each_other(reference: torch.nn.Module) -> None:
     assert _rel_err(batched, alone) < 1e-6
 
 
+@pytest.mark.parametrize("max_patches", [None, 1, 30, 64, 100])
+def test_tower_calls_bounded_by_patches_give_the_same_rows(reference: torch.nn.Module,
+                                                           max_patches: int | None) -> None:
+    """encode_vision in calls of at most max_patches patches (a video split between its temporal patches, a
+    larger image alone) gives the rows of one call, and no call but a single oversized unit exceeds the bound."""
+    from nibble.engine.image_steps import encode_vision, vision_calls
+    from nibble.engine.request import Request
+    from nibble.engine.sampling_params import SamplingParams
+    from nibble.models.multimodal import ImageInputs
+
+    model = _nibble(reference, torch.float32)
+    grid = torch.tensor(GRIDS)
+    calls = vision_calls(grid, max_patches)
+    assert calls[0][0] == 0 and calls[-1][1] == sum(t * h * w for t, h, w in GRIDS)
+    for a, b, grids in calls:
+        assert max_patches is None or b - a <= max_patches or len(grids) == 1
+        assert b - a == sum(h * w for _, h, w in grids) and all(t == 1 for t, _, _ in grids)
+    pixels = _pixels(GRIDS, 5)
+    req = Request("r", [1], SamplingParams())
+    with torch.no_grad():
+        whole = model(pixels, GRIDS)
+        got = encode_vision(model, req, ImageInputs(pixels, grid), torch.device("cpu"), max_patches)
+    assert _rel_err(got, whole) < 1e-6
+
+
 def test_bf16_close_to_fp32_reference(reference: torch.nn.Module) -> None:
     model = _nibble(reference, torch.bfloat16)
     pixels = _pixels(GRIDS, 4)
