@@ -329,6 +329,7 @@ def _tp_rank(rank: int, world: int, port: int, cases: list[tuple[str, str, bool]
         results[name] = _draft_run(_load(Path(model_dir), parallel=parallel, num_mtp_layers=1))
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # both ranks leave together (see tests/parallel/rank_main.py)
     dist.destroy_process_group()
 
 

@@ -35,6 +35,8 @@ def main(rank: int, world: int, port: int, out: str, cases: list[list[object]]) 
         results[str(name)] = greedy_run(model, model_config)
     if rank == 0:
         torch.save(results, out)
+    # both ranks leave together: tearing gloo down while the peer still talks to it aborted a rank now and then
+    dist.barrier()
     dist.destroy_process_group()
 
 
