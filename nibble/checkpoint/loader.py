@@ -149,14 +149,16 @@ def load_vision_tower(model_dir: str | Path, *, dtype: torch.dtype,
 
 def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *, dtype: torch.dtype,
                device: torch.device | str, load_format: str = "auto", max_positions: int | None = None,
-               seed: int = 0, parallel: ParallelContext | None = None, num_mtp_layers: int = 0) -> nn.Module:
+               seed: int = 0, parallel: ParallelContext | None = None, num_mtp_layers: int = 0,
+               load_vision: bool = True) -> nn.Module:
     """Construct the model for `config` on `device` and load its weights.
 
     load_format: 'auto' (safetensors in model_dir) or 'dummy' (random weights of the right format).
     parallel: this process's tensor-parallel rank (None: the whole model); it builds and reads only its
     share of the weights. num_mtp_layers > 0 also builds and loads that many layers of the checkpoint's MTP
     head (the draft model of speculative decoding); the config must declare at least as many
-    (mtp_num_hidden_layers) and the checkpoint must hold its `mtp.*` tensors.
+    (mtp_num_hidden_layers) and the checkpoint must hold its `mtp.*` tensors. load_vision False leaves the
+    vision tower out (text-only serving).
     """
     t0 = time.perf_counter()
     cls = get_model_class(config)
@@ -184,7 +186,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, kernels: KernelSet, *
     model.finalize()
     # under tensor parallelism rank 0 alone holds the tower (whole) and sends its rows with each step
     model.visual = (load_vision_tower(model_dir, dtype=dtype, device=device)
-                    if load_format == "auto" and (parallel is None or parallel.tp_rank == 0) else None)
+                    if load_vision and load_format == "auto" and (parallel is None or parallel.tp_rank == 0)
+                    else None)
     model.eval()
     where = f", rank {parallel.tp_rank} of {parallel.tp_size}" if parallel and parallel.is_parallel else ""
     logger.info("loaded %s (%s, %s%s) in %.1f s", Path(model_dir).name or config.architecture, load_format,

@@ -23,6 +23,8 @@ _METHOD_ALIASES = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 MAX_SPECULATIVE_TOKENS = 8
 # vLLM's --scheduling-policy values: arrival order, or each request's `priority` (lower first) then arrival
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# the input kinds --limit-mm-per-prompt counts
+MM_KINDS = ("image", "video")
 
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
@@ -98,6 +100,9 @@ class EngineConfig:
     max_media_bytes: int = DEFAULT_MAX_BYTES
     allowed_media_domains: tuple[str, ...] | None = None
     allowed_local_media_path: str | None = None
+    # most images / videos one prompt may hold (vLLM's --limit-mm-per-prompt, e.g. {"image": 4, "video": 1});
+    # a kind left out is unlimited; both 0: text only, the vision tower is not even loaded
+    limit_mm_per_prompt: dict[str, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,10 +151,25 @@ class EngineConfig:
             object.__setattr__(self, "allowed_media_domains", tuple(d.strip() for d in domains))
         check(self.allowed_local_media_path is None or os.path.isdir(self.allowed_local_media_path),
               f"--allowed-local-media-path must be an existing directory, got '{self.allowed_local_media_path}'")
+        limits = self.limit_mm_per_prompt
+        if limits is not None:
+            check(isinstance(limits, dict) and set(limits) <= set(MM_KINDS),
+                  f"--limit-mm-per-prompt must be a JSON object with keys among {', '.join(MM_KINDS)}, got {limits!r}")
+            check(all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()),
+                  f"--limit-mm-per-prompt values must be integers >= 0, got {limits!r}")
 
     @property
     def speculative(self) -> bool:
         return self.num_speculative_tokens > 0
+
+    def mm_limit(self, kind: str) -> int | None:
+        """The most inputs of `kind` ("image" / "video") one prompt may hold; None: no limit."""
+        return (self.limit_mm_per_prompt or {}).get(kind)
+
+    @property
+    def vision_enabled(self) -> bool:
+        """False when --limit-mm-per-prompt allows no image and no video: the vision tower is then not loaded."""
+        return not (self.mm_limit("image") == 0 and self.mm_limit("video") == 0)
 
     @property
     def media_policy(self) -> MediaPolicy:

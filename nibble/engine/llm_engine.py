@@ -121,7 +121,8 @@ class LLMEngine(VisionPrompts):
             self.model = load_model(self.model_dir, self.model_config, self.kernels, dtype=config.torch_dtype,
                                     device=self.device, load_format=config.load_format,
                                     max_positions=max_model_len + 2 * self.num_spec_tokens, seed=config.seed,
-                                    parallel=parallel, num_mtp_layers=num_mtp_layers(config, self.model_config))
+                                    parallel=parallel, num_mtp_layers=num_mtp_layers(config, self.model_config),
+                                    load_vision=config.vision_enabled)
             self.runner = ModelRunner(config, self.model_config, self.model, max_model_len, parallel=parallel,
                                       broadcast=self.workers.broadcast if self.workers is not None else None,
                                       send_tokens=self.workers.send_tokens if self.workers is not None else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nibble.engine.config import EngineConfig
 from nibble.engine.errors import RequestError
 from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg
 from nibble.engine.request import Request
@@ -19,6 +20,7 @@ class VisionPrompts:
 
     images: ImageRequests | None
     tokenizer: Tokenizer | None
+    config: EngineConfig
 
     def vision_token_ids(self) -> tuple[int, ...]:
         """The placeholder ids of images and videos (none for a model without a vision tower)."""
@@ -32,10 +34,20 @@ class VisionPrompts:
         """The checkpoint's M-RoPE settings when it takes image and video input, else None."""
         return self.images.mrope if self.images is not None else None
 
+    def check_mm_counts(self, num_images: int, num_videos: int) -> None:
+        """RequestError when a prompt holds more images or videos than --limit-mm-per-prompt allows."""
+        for kind, count in (("image", num_images), ("video", num_videos)):
+            limit = self.config.mm_limit(kind)
+            if limit is not None and count > limit:
+                raise RequestError(f"this server takes at most {limit} {kind}{'s' if limit != 1 else ''} per prompt "
+                                   f"(--limit-mm-per-prompt), got {count}")
+
     def _attach_vision(self, req: Request, images: ImageArg | None, videos: VideoArg | None) -> None:
         if self.images is None:
             raise RequestError("this model has no vision tower: image and video input are not supported")
         try:
+            self.check_mm_counts(ImageInputs.of(images).num_images if images is not None else 0,
+                                 VideoInputs.of(videos).num_videos if videos is not None else 0)
             self.images.attach(req, images, videos)
         except ValueError as exc:
             what = "videos" if images is None else "images" if videos is None else "images and videos"
@@ -77,6 +89,7 @@ class VisionPrompts:
         if self.images is None:
             kind = "image" if raw_images else "video"
             raise RequestError(f"this model does not take {kind} input (no vision tower loaded)")
+        self.check_mm_counts(len(raw_images), len(raw_videos or ()))
         images = videos = None
         try:
             images = self.images.preprocess(raw_images) if raw_images else None

@@ -37,7 +37,7 @@ _ENGINE_FIELDS = (
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
     "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy", "allowed_local_media_path",
-    "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes",
+    "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes", "limit_mm_per_prompt",
 )
 
 
@@ -92,6 +92,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        metavar="SECONDS", help="time limit of fetching one image (default: 10)")
     media.add_argument("--max-media-bytes", type=int, default=None, metavar="N",
                        help="largest image a URL may give, in bytes (default: 20971520, 20 MiB)")
+    media.add_argument("--limit-mm-per-prompt", type=_json_object("--limit-mm-per-prompt"), default=None,
+                       metavar="JSON", help="most images / videos one prompt may hold, a JSON object as vLLM's, e.g. "
+                                            "'{\"image\": 4, \"video\": 1}' (default: no limit); "
+                                            "'{\"image\": 0, \"video\": 0}' serves text only and does not load "
+                                            "the vision tower, leaving its memory to the KV cache")
 
     compat = parser.add_argument_group(
         "vLLM compatibility", "flags vLLM needs for what nibble always does with Qwen3.5; accepted so that a vLLM "

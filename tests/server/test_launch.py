@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nibble.engine.config import EngineConfig
+from nibble.engine.config import EngineConfig, EngineConfigError
 from nibble.server.launch import add_cli_args, cors_settings, engine_config_kwargs, run_cli
 
 
@@ -65,6 +65,18 @@ def test_media_flags(tmp_path: Path) -> None:
     default = EngineConfig(**engine_config_kwargs(parse())).media_policy
     assert (default.allowed_domains, default.allowed_local_path, default.timeout_s, default.max_bytes) == (
         None, None, 10.0, 20 * 2**20)
+
+
+def test_limit_mm_per_prompt_flag() -> None:
+    config = EngineConfig(**engine_config_kwargs(parse("--limit-mm-per-prompt", '{"image": 2, "video": 0}')))
+    assert (config.mm_limit("image"), config.mm_limit("video"), config.vision_enabled) == (2, 0, True)
+    text_only = EngineConfig(**engine_config_kwargs(parse("--limit-mm-per-prompt", '{"image": 0, "video": 0}')))
+    assert not text_only.vision_enabled
+    assert EngineConfig(**engine_config_kwargs(parse())).mm_limit("image") is None
+    for bad, match in (({"audio": 1}, "keys among image, video"), ({"image": -1}, "integers >= 0"),
+                       ({"image": True}, "integers >= 0")):
+        with pytest.raises(EngineConfigError, match=match):
+            EngineConfig(model="demo", limit_mm_per_prompt=bad)
 
 
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

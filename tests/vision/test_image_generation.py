@@ -202,6 +202,30 @@ def test_image_prompt_logprobs_match_transformers(checkpoint: tuple[Path, Any]) 
         assert set(entry.top) == set(torch.topk(want[p - 1], 2).indices.tolist())
 
 
+def test_limit_mm_per_prompt(checkpoint: tuple[Path, Any]) -> None:
+    """--limit-mm-per-prompt: a prompt with more images than allowed is refused before its images are decoded;
+    image and video limits 0 leave the vision tower unloaded (text still served) and refuse images."""
+    model_dir, _ = checkpoint
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96,
+              limit_mm_per_prompt={"image": 1})
+    two = _images([(24, 32), (16, 24)], seed=2)
+    prompt = _prompt(llm, two, 4)
+    with pytest.raises(RequestError, match=r"at most 1 image per prompt \(--limit-mm-per-prompt\), got 2"):
+        llm.engine.add_request("a", prompt, SamplingParams(), images=two)
+    with pytest.raises(RequestError, match="at most 1 image per prompt"):
+        llm.engine.prepare_media("x", ["not decoded", "not decoded"])
+    one = _images([(16, 24)], seed=1)
+    llm.engine.add_request("b", _prompt(llm, one, 3), SamplingParams(max_tokens=1), images=one)
+    llm.engine.abort_request("b")
+    text_only = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96,
+                    limit_mm_per_prompt={"image": 0, "video": 0})
+    assert text_only.engine.model.visual is None and text_only.engine.images is None
+    with pytest.raises(RequestError, match="no vision tower"):
+        text_only.engine.add_request("c", prompt, SamplingParams(), images=two)
+    out = text_only.generate([list(range(7, 20))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_image_request_restrictions(checkpoint: tuple[Path, Any]) -> None:
     model_dir, _ = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=96)
