@@ -18,6 +18,7 @@ from typing import Any
 
 from nibble.engine.config import EngineConfig
 from nibble.engine.llm_engine import EngineOverloaded, LLMEngine
+from nibble.engine.parallel import WorkerError
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
 from nibble.models.multimodal import ImageInputs, VideoInputs
@@ -165,6 +166,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except WorkerError:
+                raise  # the tensor-parallel ranks are gone: no later step can run (_loop ends the engine)
             except Exception as e:  # fail the requests, keep serving
                 logger.exception("engine step failed; failing the requests in that step")
                 self._fail_all(RuntimeError(f"engine error: {type(e).__name__}: {e}"))

@@ -42,7 +42,7 @@ from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg, visi
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
 from nibble.engine.outputs import TextState, request_output, store_prompt_logprobs
-from nibble.engine.parallel import WorkerGroup
+from nibble.engine.parallel import WorkerError, WorkerGroup
 from nibble.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from nibble.engine.sampler import PendingSample, sample_launch
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
@@ -351,8 +351,9 @@ class LLMEngine(VisionPrompts):
             if self._can_overlap():
                 self._inflight = self._launch(cur, defer_sampling=self._needs_host_tokens())
             outputs = self._finish_step(cur)
-        except BaseException:
+        except BaseException as exc:
             self._abandon_steps()
+            self._fail_workers(exc)
             raise
         if self._inflight is not None and self._inflight.logits is not None:
             try:
@@ -375,8 +376,9 @@ class LLMEngine(VisionPrompts):
         drafted = {i for i, r in enumerate(sched.requests) if not needs_full_sampler(r)}
         try:
             out = self.runner.execute_spec(sched, self._generator, self._bitmask)
-        except BaseException:
+        except BaseException as exc:
             self._abandon_steps()
+            self._fail_workers(exc)
             raise
         if not sched.spec_verify:
             for req, n in zip(sched.requests, sched.num_new_tokens):
@@ -422,6 +424,17 @@ class LLMEngine(VisionPrompts):
             req.pending_rows.clear()
             req.cacheable = False
         self.blocks.clear_prefix_cache()
+
+    def _fail_workers(self, exc: BaseException) -> None:
+        """Under tensor parallelism a step that failed on this rank may have left the others inside a collective
+        this rank never reaches: they are stopped and WorkerError raised (fatal: the server's engine thread ends
+        and answers every request), where serving on would hang at the next step."""
+        if self.workers is None or (isinstance(exc, WorkerError) and self.workers.failed):
+            return
+        reason = f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); the workers were stopped"
+        self.workers.fail(reason)
+        if isinstance(exc, Exception):  # KeyboardInterrupt and the like go on as they are
+            raise WorkerError(reason) from exc
 
     def _can_overlap(self) -> bool:
         """Whether to queue the next step before this one's tokens are seen: only when it will be a pure

@@ -230,6 +230,21 @@ class WorkerGroup:
             raise WorkerError(str(self._state["failed"]))
         self.channel.send_tokens(tokens)
 
+    @property
+    def failed(self) -> bool:
+        """Whether the group can run no more steps (a worker died, or `fail` was called)."""
+        return self._state["failed"] is not None
+
+    def fail(self, reason: str) -> None:
+        """Stop the workers at once, wherever they are (a step failed part way on rank 0): kill them and abort the
+        process group; every later broadcast raises WorkerError(reason)."""
+        if self._state["failed"] is None:
+            self._state["failed"] = reason
+            logger.error("%s", reason)
+        self._state["closing"] = True
+        _kill(self.procs)
+        _abort(self.context)
+
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
         self._finalizer()

@@ -227,3 +227,28 @@ def test_workers_exit_when_rank0_dies(checkpoints: dict[str, Path]) -> None:
     finally:
         if rank0.poll() is None:
             rank0.kill()
+
+
+def test_a_step_failing_on_rank_0_stops_the_workers(checkpoints: dict[str, Path]) -> None:
+    """A step that fails on rank 0 after the workers got it (they wait in the forward's collectives for a rank
+    that never comes): the engine stops the workers and raises WorkerError at once, and every later step too,
+    instead of hanging at the next broadcast."""
+    llm = LLM(model=str(checkpoints["fp32"]), tensor_parallel_size=2, **ENGINE_ARGS)
+    workers = llm.engine.workers
+    assert workers is not None
+    model = llm.engine.runner.model
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected failure")
+
+    model.forward = broken  # type: ignore[method-assign]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"step failed on rank 0 .*injected failure"):
+            _generate(llm)
+        assert time.monotonic() - t0 < 30
+        assert _gone(workers.procs[0].pid, 10) and workers.failed
+        with pytest.raises(WorkerError, match="injected failure"):
+            _generate(llm)
+    finally:
+        llm.engine.shutdown()
