@@ -10,7 +10,8 @@ sampling, so rank 0 then sends what it sampled (`StepChannel.send_tokens`) and e
 `shutdown` (also run at interpreter exit) tells the workers to leave their step loop and reaps them;
 workers that never reached the loop (rank 0 failed while loading) are killed instead. A monitor thread
 notices a worker that dies: it stops the others and aborts the process group, so rank 0 fails its step
-instead of waiting in a collective forever.
+instead of waiting in a collective forever. A step that fails on rank 0 itself ends the group the same way
+(`WorkerGroup.fail`, called by the engine): the workers may be inside a collective rank 0 never reaches.
 
 NVLink multicast (NVLS) is off in every rank's environment: the GPU hosts this runs on forbid it.
 """
