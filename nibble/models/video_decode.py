@@ -17,8 +17,6 @@ Every problem is a ValueError with the reason.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from typing import Any
 
@@ -26,7 +24,7 @@ import numpy as np
 import torch
 
 from nibble.models.video_processor import VideoFrames, VideoProcessorParams, sample_frame_indices
-from nibble.models.vision_processor import to_rgb
+from nibble.models.vision_processor import data_url_bytes, to_rgb
 
 NEEDS_PYAV = "video input needs PyAV: pip install av"
 
@@ -92,7 +90,9 @@ def decode_video(source: str | bytes | bytearray | memoryview, params: VideoProc
         import av
     except ImportError:
         raise ValueError(NEEDS_PYAV) from None
-    data = _data_url_bytes(source) if isinstance(source, str) else bytes(source)
+    data = (data_url_bytes(source, "video", "http(s):// or file:// URLs (the engine fetches those first: "
+                                             "engine/media.py), bytes or frames")
+            if isinstance(source, str) else bytes(source))
     if not data:
         raise ValueError("video data is empty")
     try:
@@ -132,22 +132,3 @@ def _decode(av: Any, data: bytes, wanted: set[int]) -> tuple[int, dict[int, np.n
             count += 1
     return count, kept
 
-
-def _data_url_bytes(url: str) -> bytes:
-    """The payload of a base64 `data:video/<type>;base64,<data>` URL."""
-    head, sep, payload = url.partition(",")
-    if not head.lower().startswith("data:"):
-        shown = url if len(url) <= 40 else url[:40] + "..."
-        raise ValueError(f"videos are taken as data:video/...;base64 URLs, http(s):// or file:// URLs (the engine "
-                         f"fetches those first: engine/media.py), bytes or frames, got '{shown}'")
-    if not sep:
-        raise ValueError("data URL has no ',' before its payload")
-    media, *attrs = head[len("data:"):].split(";")
-    if media and not media.lower().startswith("video/"):
-        raise ValueError(f"data URL media type '{media}' is not a video")
-    if "base64" not in (a.strip().lower() for a in attrs):
-        raise ValueError("data URL must be base64-encoded (';base64,')")
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"data URL payload is not valid base64: {e}") from e

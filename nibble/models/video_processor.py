@@ -24,7 +24,6 @@ Timestamps (`frame_timestamps`): a temporal patch is at the mean of its first an
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,10 +34,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nibble.models.vision_processor import MAX_ASPECT_RATIO, PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+from nibble.models.vision_processor import (
+    MAX_ASPECT_RATIO,
+    PREPROCESSOR_CONFIG,
+    PROCESSOR_CONFIG,
+    check_tower_patch_sizes,
+    processor_kwargs,
+    read_json_object,
+    tower_patch_sizes,
+)
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
-_PIL_BICUBIC = 3
 
 
 @dataclass(frozen=True)
@@ -96,32 +102,12 @@ class VideoProcessorParams:
         """From the fields of a video processor config: `size.shortest_edge` / `size.longest_edge` are pixel
         counts over all frames (min/max). Settings that would switch off a step nibble always runs, or that it
         does not implement (num_frames sampling, other resampling), are refused."""
-        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if raw.get(flag, True) is False:
-                raise ValueError(f"video processor: {flag}=false is not supported")
-        if raw.get("resample", _PIL_BICUBIC) != _PIL_BICUBIC:
-            raise ValueError(f"video processor: only bicubic resampling (3) is supported, got {raw['resample']}")
+        kwargs = processor_kwargs(raw, "video processor", ("patch_size", "temporal_patch_size", "merge_size",
+                                                             "min_frames", "max_frames", "max_video_tokens"))
         if raw.get("num_frames") is not None:
             raise ValueError("video processor: sampling a fixed num_frames is not supported (fps sampling is)")
-        size = raw.get("size") or {}
-        kwargs: dict[str, Any] = {}
-        if "shortest_edge" in size:
-            kwargs["min_pixels"] = int(size["shortest_edge"])
-        if "longest_edge" in size:
-            kwargs["max_pixels"] = int(size["longest_edge"])
-        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
-                    "max_video_tokens"):
-            if raw.get(key) is not None:
-                kwargs[key] = int(raw[key])
-        for key in ("image_mean", "image_std"):
-            value = raw.get(key)
-            if isinstance(value, list | tuple):
-                kwargs[key] = tuple(float(v) for v in value)
-            elif value is not None:
-                kwargs[key] = (float(value),) * 3
-        for key in ("rescale_factor", "fps"):
-            if raw.get(key) is not None:
-                kwargs[key] = float(raw[key])
+        if raw.get("fps") is not None:
+            kwargs["fps"] = float(raw["fps"])
         for key in ("do_sample_frames", "cap_pixels_per_frame"):
             if raw.get(key) is not None:
                 kwargs[key] = bool(raw[key])
@@ -136,24 +122,14 @@ class VideoProcessorParams:
         root = Path(model_dir)
         raw: dict[str, Any] | None = None
         if (root / PROCESSOR_CONFIG).is_file():
-            raw = _read_json(root / PROCESSOR_CONFIG).get("video_processor")
+            raw = read_json_object(root / PROCESSOR_CONFIG).get("video_processor")
         for name in (VIDEO_PREPROCESSOR_CONFIG, PREPROCESSOR_CONFIG):
             if raw is None and (root / name).is_file():
-                raw = _read_json(root / name)
-        vision = _read_json(root / "config.json").get("vision_config") if (root / "config.json").is_file() else None
-        tower = {}
-        if vision:
-            tower = {"patch_size": vision.get("patch_size"), "temporal_patch_size": vision.get("temporal_patch_size"),
-                     "merge_size": vision.get("spatial_merge_size")}
-            tower = {k: int(v) for k, v in tower.items() if v is not None}
+                raw = read_json_object(root / name)
+        tower = tower_patch_sizes(root)
         if raw is None:
             return cls(**tower)
-        params = cls.from_dict(raw)
-        for key, value in tower.items():
-            if getattr(params, key) != value:
-                raise ValueError(f"{root}: video processor {key}={getattr(params, key)} but the vision tower "
-                                 f"has {value}")
-        return params
+        return check_tower_patch_sizes(cls.from_dict(raw), tower, root, "video processor")
 
 
 @dataclass(frozen=True)
@@ -193,15 +169,6 @@ class ProcessedVideo:
     timestamps: tuple[float, ...]
     num_tokens: int
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read ({e})") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return raw
 
 
 def sample_frame_indices(total_frames: int, video_fps: float, params: VideoProcessorParams) -> list[int]:

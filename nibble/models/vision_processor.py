@@ -30,9 +30,10 @@ import binascii
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
 MAX_ASPECT_RATIO = 200
 _PIL_BICUBIC = 3
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -85,28 +87,8 @@ class ImageProcessorParams:
         """From the fields of a `preprocessor_config.json`. `size.shortest_edge` / `size.longest_edge` are
         pixel counts (min/max area), and legacy top-level `min_pixels` / `max_pixels` override them as they
         do in transformers. Settings that would switch off a step nibble always runs are refused."""
-        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if raw.get(flag, True) is False:
-                raise ValueError(f"image processor: {flag}=false is not supported")
-        if raw.get("resample", _PIL_BICUBIC) != _PIL_BICUBIC:
-            raise ValueError(f"image processor: only bicubic resampling (3) is supported, got {raw['resample']}")
-        size = raw.get("size") or {}
-        kwargs: dict[str, Any] = {}
-        if "shortest_edge" in size:
-            kwargs["min_pixels"] = int(size["shortest_edge"])
-        if "longest_edge" in size:
-            kwargs["max_pixels"] = int(size["longest_edge"])
-        for key in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
-            if raw.get(key) is not None:
-                kwargs[key] = int(raw[key])
-        for key in ("image_mean", "image_std"):
-            value = raw.get(key)
-            if isinstance(value, list | tuple):
-                kwargs[key] = tuple(float(v) for v in value)
-            elif value is not None:
-                kwargs[key] = (float(value),) * 3
-        if raw.get("rescale_factor") is not None:
-            kwargs["rescale_factor"] = float(raw["rescale_factor"])
+        kwargs = processor_kwargs(raw, "image processor", ("min_pixels", "max_pixels", "patch_size",
+                                                             "temporal_patch_size", "merge_size"))
         return cls(**kwargs)
 
     @classmethod
@@ -117,23 +99,13 @@ class ImageProcessorParams:
         root = Path(model_dir)
         raw: dict[str, Any] | None = None
         if (root / PREPROCESSOR_CONFIG).is_file():
-            raw = _read_json(root / PREPROCESSOR_CONFIG)
+            raw = read_json_object(root / PREPROCESSOR_CONFIG)
         elif (root / PROCESSOR_CONFIG).is_file():
-            raw = _read_json(root / PROCESSOR_CONFIG).get("image_processor")
-        vision = _read_json(root / "config.json").get("vision_config") if (root / "config.json").is_file() else None
-        tower = {}
-        if vision:
-            tower = {"patch_size": vision.get("patch_size"), "temporal_patch_size": vision.get("temporal_patch_size"),
-                     "merge_size": vision.get("spatial_merge_size")}
-            tower = {k: int(v) for k, v in tower.items() if v is not None}
+            raw = read_json_object(root / PROCESSOR_CONFIG).get("image_processor")
+        tower = tower_patch_sizes(root)
         if raw is None:
             return cls(**tower)
-        params = cls.from_dict(raw)
-        for key, value in tower.items():
-            if getattr(params, key) != value:
-                raise ValueError(f"{root}: image processor {key}={getattr(params, key)} but the vision tower "
-                                 f"has {value}")
-        return params
+        return check_tower_patch_sizes(cls.from_dict(raw), tower, root, "image processor")
 
 
 @dataclass(frozen=True)
@@ -150,7 +122,8 @@ class ProcessedImage:
     num_tokens: int
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object; ValueError naming the file otherwise."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -158,6 +131,56 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return raw
+
+def processor_kwargs(raw: dict[str, Any], what: str, int_keys: Sequence[str]) -> dict[str, Any]:
+    """Constructor arguments of an image or video processor's params from its config's fields (`what` names it
+    in errors): `size.shortest_edge` / `size.longest_edge` as min/max pixels, `int_keys` as ints (legacy
+    top-level min_pixels / max_pixels among them override `size`, as in transformers), mean / std (a list or one
+    value for all channels) and rescale_factor. Settings that would switch off a step nibble always runs, or
+    another resampling than bicubic, are refused."""
+    for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if raw.get(flag, True) is False:
+            raise ValueError(f"{what}: {flag}=false is not supported")
+    if raw.get("resample", _PIL_BICUBIC) != _PIL_BICUBIC:
+        raise ValueError(f"{what}: only bicubic resampling (3) is supported, got {raw['resample']}")
+    size = raw.get("size") or {}
+    kwargs: dict[str, Any] = {}
+    if "shortest_edge" in size:
+        kwargs["min_pixels"] = int(size["shortest_edge"])
+    if "longest_edge" in size:
+        kwargs["max_pixels"] = int(size["longest_edge"])
+    for key in int_keys:
+        if raw.get(key) is not None:
+            kwargs[key] = int(raw[key])
+    for key in ("image_mean", "image_std"):
+        value = raw.get(key)
+        if isinstance(value, list | tuple):
+            kwargs[key] = tuple(float(v) for v in value)
+        elif value is not None:
+            kwargs[key] = (float(value),) * 3
+    if raw.get("rescale_factor") is not None:
+        kwargs["rescale_factor"] = float(raw["rescale_factor"])
+    return kwargs
+
+
+def tower_patch_sizes(root: Path) -> dict[str, int]:
+    """The patch sizes config.json's `vision_config` gives (patch_size, temporal_patch_size, merge_size), those
+    it sets; {} without one."""
+    vision = read_json_object(root / "config.json").get("vision_config") if (root / "config.json").is_file() else None
+    if not vision:
+        return {}
+    tower = {"patch_size": vision.get("patch_size"), "temporal_patch_size": vision.get("temporal_patch_size"),
+             "merge_size": vision.get("spatial_merge_size")}
+    return {k: int(v) for k, v in tower.items() if v is not None}
+
+
+def check_tower_patch_sizes(params: P, tower: dict[str, int], root: Path, what: str) -> P:
+    """`params` when its patch sizes are the tower's (`tower_patch_sizes`); ValueError naming `what` otherwise."""
+    for key, value in tower.items():
+        if getattr(params, key) != value:
+            raise ValueError(f"{root}: {what} {key}={getattr(params, key)} but the vision tower has {value}")
+    return params
+
 
 
 def smart_resize(height: int, width: int, params: ImageProcessorParams) -> tuple[int, int]:
@@ -259,7 +282,7 @@ def decode_image(source: str | bytes, max_pixels: int | None = None) -> Image.Im
     `max_pixels` or PIL's decompression-bomb limit) raises ValueError with the reason."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    data = _data_url_bytes(source) if isinstance(source, str) else source
+    data = data_url_bytes(source) if isinstance(source, str) else source
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"expected a data URL or bytes, got {type(source).__name__}")
     if not data:
@@ -280,18 +303,19 @@ def decode_image(source: str | bytes, max_pixels: int | None = None) -> Image.Im
         raise ValueError(f"image data is corrupt or truncated: {e}") from e
 
 
-def _data_url_bytes(url: str) -> bytes:
-    """The payload of a base64 `data:image/<type>;base64,<data>` URL."""
+def data_url_bytes(url: str, kind: str = "image", accepted: str = "http(s):// or file:// URLs (the engine "
+                   "fetches those first: engine/media.py) or bytes") -> bytes:
+    """The payload of a base64 `data:<kind>/<type>;base64,<data>` URL (kind: "image" or "video"); `accepted`:
+    the other forms the caller takes, for the error on a string that is no data URL."""
     head, sep, payload = url.partition(",")
     if not head.lower().startswith("data:"):
         shown = url if len(url) <= 40 else url[:40] + "..."
-        raise ValueError(f"images are taken as data:image/...;base64 URLs, http(s):// or file:// URLs (the engine "
-                         f"fetches those first: engine/media.py) or bytes, got '{shown}'")
+        raise ValueError(f"{kind}s are taken as data:{kind}/...;base64 URLs, {accepted}, got '{shown}'")
     if not sep:
         raise ValueError("data URL has no ',' before its payload")
     media, *attrs = head[len("data:"):].split(";")
-    if media and not media.lower().startswith("image/"):
-        raise ValueError(f"data URL media type '{media}' is not an image")
+    if media and not media.lower().startswith(f"{kind}/"):
+        raise ValueError(f"data URL media type '{media}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
     if "base64" not in (a.strip().lower() for a in attrs):
         raise ValueError("data URL must be base64-encoded (';base64,')")
     try:
