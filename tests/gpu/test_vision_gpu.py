@@ -15,7 +15,17 @@ import torch
 from nibble.checkpoint.quantize import quantize_checkpoint
 from nibble.engine.llm import LLM
 from tests.helpers.tiny_models import make_tiny_qwen35_moe
-from tests.vision.test_image_generation import _expected, _generate, _images, _prompt, _reference
+from tests.vision.test_image_generation import (
+    _assert_prompt_logprobs,
+    _expected,
+    _finish_one,
+    _generate,
+    _images,
+    _mixed_jobs,
+    _prompt,
+    _reference,
+    _reference_log_probs,
+)
 
 pytestmark = pytest.mark.skipif(os.environ.get("NIBBLE_TEST_GPU") != "1" or not torch.cuda.is_available(),
                                 reason="GPU test (NIBBLE_TEST_GPU=1 on a CUDA machine)")
@@ -43,10 +53,11 @@ def test_image_generation_on_gpu_matches_transformers(checkpoint: tuple[Path, An
     model_dir, reference = checkpoint
     llm = LLM(model=str(model_dir), device="cuda", dtype="float32", max_num_batched_tokens=budget,
               max_model_len=256, num_speculative_tokens=num_spec, extra={"num_kv_blocks": 64})
-    one = _images([(16, 24)], seed=1)
-    two = _images([(24, 32), (16, 24)], seed=2)
-    prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20)), _prompt(llm, one, 9)]
-    images = [one, two, None, one]
+    prompts, images = _mixed_jobs(llm)
+    one = images[0]
+    assert one is not None
+    prompts.append(_prompt(llm, one, 9))  # the same image again, in another prompt
+    images.append(one)
     got = _generate(llm, prompts, images)
     print("kernels:", llm.engine.kernel_report.selected)
     for prompt, im, tokens in zip(prompts, images, got):
@@ -76,8 +87,7 @@ def test_video_and_image_prompt_logprobs_on_gpu(tmp_path: Path) -> None:
     3-D positions of both kinds), and greedy decoding after it (from CUDA graphs) gives transformers' tokens."""
     from nibble.engine.sampling_params import SamplingParams
     from nibble.models.multimodal import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER
-    from tests.vision.test_video import IMAGE, VIDEO, _frames, make_video_checkpoint
-    from tests.vision.test_video import _expected as _expected_video
+    from tests.vision.test_video import _frames, make_video_checkpoint
 
     model_dir = make_video_checkpoint(tmp_path / "video")
     reference = _reference(model_dir)
@@ -87,21 +97,8 @@ def test_video_and_image_prompt_logprobs_on_gpu(tmp_path: Path) -> None:
         f"a{VIDEO_PLACEHOLDER}b{VISION_PLACEHOLDER}c{VIDEO_PLACEHOLDER}d", [_frames(1, 16, 24, seed=2)[0]],
         [_frames(5, 20, 30, seed=3), _frames(4, 16, 24, seed=4)])
     assert images is not None and videos is not None
-    out = None
-    llm.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                       prompt_logprobs=1), images=images, videos=videos)
-    while llm.engine.has_unfinished_requests():
-        for o in llm.engine.step():
-            out = o if o.finished else out
-    assert out is not None and out.prompt_logprobs is not None
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = reference(ids, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw,
-                           pixel_values_videos=videos.pixel_values, video_grid_thw=videos.grid_thw,
-                           mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int()).logits[0]
-    want = torch.log_softmax(logits.float(), dim=-1)
-    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
-        assert entry is not None and entry.token_id == prompt[p]
-        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=2e-3)
-    assert out.outputs[0].token_ids == _expected_video(reference, prompt, images, videos)
+    out = _finish_one(llm, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
+                      images=images, videos=videos)
+    _assert_prompt_logprobs(out, prompt, _reference_log_probs(reference, prompt, images, videos), atol=2e-3)
+    assert out.outputs[0].token_ids == _expected(reference, prompt, images, videos)
     assert llm.engine.stats()["model_steps_decode_graph"] > 0

@@ -11,7 +11,7 @@ import pytest
 from nibble.checkpoint.quantize import quantize_checkpoint
 from nibble.engine.llm import LLM
 from tests.helpers.tiny_models import make_tiny_qwen35_moe
-from tests.vision.test_image_generation import _expected, _generate, _images, _prompt, _reference
+from tests.vision.test_image_generation import _expected, _generate, _mixed_jobs, _reference
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [0, 2])
@@ -25,10 +25,7 @@ def test_image_generation_tp2_matches_transformers(tmp_path: Path, num_speculati
     try:
         assert llm.engine.workers is not None
         assert llm.engine.model.visual is not None and llm.engine.mrope is not None
-        one = _images([(16, 24)], seed=1)
-        two = _images([(24, 32), (16, 24)], seed=2)
-        prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))]
-        images = [one, two, None]
+        prompts, images = _mixed_jobs(llm)
         got = _generate(llm, prompts, images)
         for prompt, im, tokens in zip(prompts, images, got):
             assert tokens == _expected(reference, prompt, im)

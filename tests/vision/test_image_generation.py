@@ -69,14 +69,68 @@ def _prompt(llm: LLM, images: ImageInputs, seed: int) -> list[int]:
     return llm.engine.expand_image_prompt(ids, images)
 
 
-def _expected(reference: Any, prompt: list[int], images: ImageInputs | None) -> list[int]:
+def _media_kwargs(reference: Any, ids: torch.Tensor, images: ImageInputs | None, videos: Any) -> dict[str, Any]:
+    """transformers' keyword arguments for a prompt [1, L] with these images / videos (none for a text prompt):
+    pixels, grids and token types (1 image, 2 video)."""
+    if images is None and videos is None:
+        return {}
+    config = reference.config
+    kwargs: dict[str, Any] = {"mm_token_type_ids": (ids == config.image_token_id).int()
+                              + 2 * (ids == getattr(config, "video_token_id", -1)).int()}
+    if images is not None:
+        kwargs.update(pixel_values=images.pixel_values, image_grid_thw=images.grid_thw)
+    if videos is not None:
+        kwargs.update(pixel_values_videos=videos.pixel_values, video_grid_thw=videos.grid_thw)
+    return kwargs
+
+
+def _mixed_jobs(llm: LLM) -> tuple[list[list[int]], list[ImageInputs | None]]:
+    """The prompts most tests run together, and their images: one image (6 tokens), two images (12 and 6 tokens)
+    with text between, and a text prompt."""
+    one = _images([(16, 24)], seed=1)
+    two = _images([(24, 32), (16, 24)], seed=2)
+    return [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))], [one, two, None]
+
+
+def _expected(reference: Any, prompt: list[int], images: ImageInputs | None, videos: Any = None) -> list[int]:
+    """transformers' greedy MAX_TOKENS tokens after the prompt."""
     ids = torch.tensor([prompt])
-    kwargs = {} if images is None else {"pixel_values": images.pixel_values, "image_grid_thw": images.grid_thw,
-                                        "mm_token_type_ids": (ids == reference.config.image_token_id).int()}
     with torch.no_grad():
-        out = reference.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, **kwargs)
+        out = reference.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 **_media_kwargs(reference, ids, images, videos))
     return out[0, len(prompt):].tolist()
+
+
+def _finish_one(llm: LLM, prompt: list[int], params: SamplingParams, **media: Any) -> Any:
+    """Run one request (images= / videos= as add_request takes them) to its end; its final RequestOutput."""
+    llm.engine.add_request("one", prompt, params, **media)
+    out = None
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out = o if o.finished else out
+    assert out is not None
+    return out
+
+
+def _reference_log_probs(reference: Any, prompt: list[int], images: ImageInputs | None = None,
+                         videos: Any = None) -> torch.Tensor:
+    """transformers' log-probabilities [len(prompt), V] after each prompt position, images and videos given."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = reference(ids, **_media_kwargs(reference, ids, images, videos)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _assert_prompt_logprobs(out: Any, prompt: list[int], want: torch.Tensor, atol: float, top: int = 0) -> None:
+    """Every prompt position's log-probability of the next prompt token is want's within atol (and its top
+    alternatives want's, when top > 0)."""
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None and entry.token_id == prompt[p]
+        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=atol)
+        if top:
+            assert set(entry.top) == set(torch.topk(want[p - 1], top).indices.tolist())
 
 
 def _generate(llm: LLM, prompts: list[list[int]], images: list[ImageInputs | None]) -> list[list[int]]:
@@ -100,10 +154,7 @@ def test_image_generation_matches_transformers(checkpoint: tuple[Path, Any], bud
     inside the images' tokens (6 and 12 of them)."""
     model_dir, reference = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=budget, max_model_len=96)
-    one = _images([(16, 24)], seed=1)
-    two = _images([(24, 32), (16, 24)], seed=2)
-    prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))]
-    images = [one, two, None]
+    prompts, images = _mixed_jobs(llm)
     got = _generate(llm, prompts, images)
     for prompt, im, tokens in zip(prompts, images, got):
         assert tokens == _expected(reference, prompt, im)
@@ -148,10 +199,7 @@ def test_image_generation_with_speculative_decoding(checkpoint: tuple[Path, Any]
     model_dir, reference = checkpoint
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=96,
               num_speculative_tokens=2)
-    one = _images([(16, 24)], seed=1)
-    two = _images([(24, 32), (16, 24)], seed=2)
-    prompts = [_prompt(llm, one, 3), _prompt(llm, two, 4), list(range(7, 20))]
-    images = [one, two, None]
+    prompts, images = _mixed_jobs(llm)
     expected = [_expected(reference, p, im) for p, im in zip(prompts, images)]
     engine = llm.engine
     if oracle:
@@ -184,22 +232,8 @@ def test_image_prompt_logprobs_match_transformers(checkpoint: tuple[Path, Any]) 
     llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=96)
     two = _images([(24, 32), (16, 24)], seed=2)
     prompt = _prompt(llm, two, 4)
-    llm.engine.add_request("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), images=two)
-    out = None
-    while llm.engine.has_unfinished_requests():
-        for o in llm.engine.step():
-            out = o if o.finished else out
-    assert out is not None and out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = reference(ids, pixel_values=two.pixel_values, image_grid_thw=two.grid_thw,
-                           mm_token_type_ids=(ids == reference.config.image_token_id).int()).logits[0]
-    want = torch.log_softmax(logits.float(), dim=-1)
-    assert len(out.prompt_logprobs) == len(prompt)
-    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
-        assert entry is not None and entry.token_id == prompt[p]
-        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=2e-4)
-        assert set(entry.top) == set(torch.topk(want[p - 1], 2).indices.tolist())
+    out = _finish_one(llm, prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), images=two)
+    _assert_prompt_logprobs(out, prompt, _reference_log_probs(reference, prompt, two), atol=2e-4, top=2)
 
 
 def test_limit_mm_per_prompt(checkpoint: tuple[Path, Any]) -> None:

@@ -25,7 +25,14 @@ from nibble.engine.llm_engine import RequestError
 from nibble.engine.sampling_params import SamplingParams
 from nibble.models.multimodal import VIDEO_PLACEHOLDER, VISION_PLACEHOLDER, ImageInputs, VideoInputs
 from tests.helpers.tiny_models import make_tiny_qwen35_moe
-from tests.vision.test_image_generation import MAX_TOKENS, _reference
+from tests.vision.test_image_generation import (
+    MAX_TOKENS,
+    _assert_prompt_logprobs,
+    _expected,
+    _finish_one,
+    _reference,
+    _reference_log_probs,
+)
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "nibble" / "assets" / "demo_tokenizer"
 # the demo tokenizer's vision tokens
@@ -61,22 +68,6 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def _frames(n: int, h: int, w: int, seed: int) -> np.ndarray:
     return torch.randint(0, 256, (n, h, w, 3), generator=torch.Generator().manual_seed(seed),
                          dtype=torch.uint8).numpy()
-
-
-def _expected(reference: Any, prompt: list[int], images: ImageInputs | None, videos: VideoInputs | None
-              ) -> list[int]:
-    ids = torch.tensor([prompt])
-    config = reference.config
-    kwargs: dict[str, Any] = {"mm_token_type_ids": (ids == config.image_token_id).int()
-                              + 2 * (ids == config.video_token_id).int()}
-    if images is not None:
-        kwargs.update(pixel_values=images.pixel_values, image_grid_thw=images.grid_thw)
-    if videos is not None:
-        kwargs.update(pixel_values_videos=videos.pixel_values, video_grid_thw=videos.grid_thw)
-    with torch.no_grad():
-        out = reference.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 **kwargs)
-    return out[0, len(prompt):].tolist()
 
 
 def _run(llm: LLM, jobs: list[tuple[list[int], ImageInputs | None, VideoInputs | None]]) -> list[list[int]]:
@@ -135,24 +126,9 @@ def test_video_prompt_logprobs_match_transformers(checkpoint: tuple[Path, Any]) 
         f"a{VIDEO_PLACEHOLDER}b{VISION_PLACEHOLDER}c{VIDEO_PLACEHOLDER}d", [_frames(1, 16, 24, seed=2)[0]],
         [_frames(5, 20, 30, seed=3), _frames(4, 16, 24, seed=4)])
     assert videos is not None and images is not None
-    llm.engine.add_request("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), images=images,
-                           videos=videos)
-    out = None
-    while llm.engine.has_unfinished_requests():
-        for o in llm.engine.step():
-            out = o if o.finished else out
-    assert out is not None and out.prompt_logprobs is not None
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = reference(ids, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw,
-                           pixel_values_videos=videos.pixel_values, video_grid_thw=videos.grid_thw,
-                           mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int()).logits[0]
-    want = torch.log_softmax(logits.float(), dim=-1)
-    assert len(out.prompt_logprobs) == len(prompt)
-    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
-        assert entry is not None and entry.token_id == prompt[p]
-        assert entry.logprob == pytest.approx(want[p - 1, prompt[p]].item(), abs=2e-4)
-        assert set(entry.top) == set(torch.topk(want[p - 1], 2).indices.tolist())
+    out = _finish_one(llm, prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), images=images, videos=videos)
+    want = _reference_log_probs(reference, prompt, images, videos)
+    _assert_prompt_logprobs(out, prompt, want, atol=2e-4, top=2)
 
 
 def test_generate_and_chat_with_videos(checkpoint: tuple[Path, Any]) -> None:
