@@ -46,9 +46,12 @@ class VisionPrompts:
         if self.images is None:
             raise RequestError("this model has no vision tower: image and video input are not supported")
         try:
-            self.check_mm_counts(ImageInputs.of(images).num_images if images is not None else 0,
-                                 VideoInputs.of(videos).num_videos if videos is not None else 0)
-            self.images.attach(req, images, videos)
+            # converted once here (a list of ProcessedImage is concatenated): attach takes them as they are
+            image_inputs = ImageInputs.of(images) if images is not None else None
+            video_inputs = VideoInputs.of(videos) if videos is not None else None
+            self.check_mm_counts(image_inputs.num_images if image_inputs is not None else 0,
+                                 video_inputs.num_videos if video_inputs is not None else 0)
+            self.images.attach(req, image_inputs, video_inputs)
         except ValueError as exc:
             what = "videos" if images is None else "images" if videos is None else "images and videos"
             raise RequestError(f"{what}: {exc}") from None
