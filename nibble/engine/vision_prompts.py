@@ -111,4 +111,8 @@ class VisionPrompts:
             ids = self.expand_image_prompt(ids, images)
         if videos is not None:
             ids = self.expand_video_prompt(ids, videos)
+        # the prefix-cache keys, hashed here (cached on the inputs): off the engine thread in the server
+        for inputs in (images, videos):
+            if inputs is not None:
+                _ = inputs.content_digests
         return ids, images, videos

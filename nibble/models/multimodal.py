@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -49,8 +50,10 @@ class VisionInputs:
         """Placeholder tokens of each item: t * h * w / merge_size**2."""
         return [int(t * h * w) // merge_size ** 2 for t, h, w in self.grid_thw.tolist()]
 
+    @cached_property
     def content_digests(self) -> list[bytes]:
-        """A 16-byte digest of each item's grid and pixel values (what the vision tower's output depends on)."""
+        """A 16-byte digest of each item's grid and pixel values (what the vision tower's output depends on),
+        hashed once per object: the server has them hashed with the preprocessing, off the engine's thread."""
         out = []
         start = 0
         pixels = self.pixel_values.contiguous()
@@ -193,7 +196,7 @@ def vision_cache_ids(prompt_ids: Sequence[int], merge_size: int, inputs: Mapping
     Rank j of an item with digest halves (a, b) gets -1 - ((a + j * b) mod 2**62), b odd: two different
     items give one equal id at most at one rank, so a block with two or more of an item's tokens differs
     unless both 62-bit halves do."""
-    digests = {tok: v.content_digests() for tok, v in inputs.items()}
+    digests = {tok: v.content_digests for tok, v in inputs.items()}
     counts = {tok: v.num_tokens(merge_size) for tok, v in inputs.items()}
     cursor = dict.fromkeys(inputs, (0, 0))  # per kind: (item, rank in it)
     out = list(prompt_ids)
