@@ -19,7 +19,9 @@ the checkpoint's video processor settings (`video_preprocessor_config.json`):
 
 Timestamps (`frame_timestamps`): a temporal patch is at the mean of its first and last frame's time
 (source index / source fps); the prompt writes it as `<{t:.1f} seconds>` before the patch's placeholders
-(multimodal.video_placeholder_ids). Decoding encoded videos (PyAV) is in video_decode.py.
+(multimodal.video_placeholder_ids). Decoding encoded videos (PyAV) is in video_decode.py; it resizes each kept
+frame as it is decoded, with `resize_frames` and the size `video_smart_resize` gives for the source size, so
+`VideoFrames.source_size` tells `preprocess_video` that its frames are already resized.
 """
 
 from __future__ import annotations
@@ -137,12 +139,15 @@ class VideoFrames:
     """The frames of one video that the processor takes, in order.
 
     frames: uint8 [T, H, W, 3] RGB; fps: the source video's frame rate; indices: each frame's index in the
-    source video (T of them), which with fps gives its time.
+    source video (T of them), which with fps gives its time; source_size: None when the frames are at their
+    source size, else the (height, width) of the source frames, which were already resized (as they were
+    decoded) to `video_smart_resize(T, *source_size)`.
     """
 
     frames: np.ndarray
     fps: float
     indices: tuple[int, ...]
+    source_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         f = self.frames
@@ -153,6 +158,8 @@ class VideoFrames:
             raise ValueError(f"{len(self.indices)} frame indices for {f.shape[0]} frames")
         if not (math.isfinite(self.fps) and self.fps > 0):
             raise ValueError(f"video fps must be positive, got {self.fps}")
+        if self.source_size is not None and (len(self.source_size) != 2 or min(self.source_size) <= 0):
+            raise ValueError(f"video source size must be a positive (height, width), got {self.source_size}")
 
 
 @dataclass(frozen=True)
@@ -230,14 +237,28 @@ def video_smart_resize(num_frames: int, height: int, width: int, params: VideoPr
     return h, w
 
 
+def resize_frames(frames: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    """RGB uint8 frames [T, H, W, 3] -> uint8 [T, 3, h, w] at size (h, w): torch's antialiased bicubic, left
+    as they are when already of that size. Each frame is resized on its own (the same bytes whether T is 1 or
+    the whole video), which lets video_decode.py resize frames one at a time as it decodes them."""
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
+    if tuple(x.shape[2:]) != tuple(size):
+        x = F.interpolate(x, size=list(size), mode="bicubic", align_corners=False, antialias=True)
+    return x
+
+
 def preprocess_video(video: VideoFrames, params: VideoProcessorParams | None = None) -> ProcessedVideo:
     """Sampled frames -> `ProcessedVideo` (pixel_values float32 [grid_t * grid_h * grid_w, patch_dim])."""
     params = params or VideoProcessorParams()
-    x = torch.from_numpy(np.ascontiguousarray(video.frames)).permute(0, 3, 1, 2).contiguous()  # [T, 3, H, W]
-    num_frames, _, height, width = x.shape
-    h, w = video_smart_resize(num_frames, height, width, params)
-    if (h, w) != (height, width):
-        x = F.interpolate(x, size=[h, w], mode="bicubic", align_corners=False, antialias=True)
+    num_frames, height, width = video.frames.shape[:3]
+    # the size comes from the source size, not from frames resized while decoding: video_smart_resize of its
+    # own output can differ from it (its frame count is rounded to whole temporal patches)
+    source = video.source_size or (height, width)
+    h, w = video_smart_resize(num_frames, *source, params)
+    if video.source_size is not None and (height, width) != (h, w):
+        raise ValueError(f"{num_frames} video frames of {source[1]}x{source[0]} are resized to {w}x{h}, but "
+                         f"were decoded at {width}x{height}")
+    x = resize_frames(video.frames, (h, w))  # [T, 3, h, w]
     # transformers fuses the rescale into the normalisation: mean and std scaled by 1 / rescale_factor, in fp32
     mean = torch.tensor(params.image_mean, dtype=torch.float32) * (1.0 / params.rescale_factor)
     std = torch.tensor(params.image_std, dtype=torch.float32) * (1.0 / params.rescale_factor)

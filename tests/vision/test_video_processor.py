@@ -152,7 +152,9 @@ def test_frame_inputs() -> None:
             to_video_frames(bad, TINY)
 
 
-def _encode(frames: np.ndarray, fps: int, container: str = "mp4") -> bytes:
+def _encode(frames: np.ndarray, fps: int, container: str = "mp4", rotation: int | None = None) -> bytes:
+    """frames [T, H, W, 3] as an mpeg4 video; rotation: a display matrix rotating them that many degrees
+    counter-clockwise (as PyAV reads it back as VideoFrame.rotation)."""
     import av
 
     buf = io.BytesIO()
@@ -160,6 +162,8 @@ def _encode(frames: np.ndarray, fps: int, container: str = "mp4") -> bytes:
         stream = out.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         stream.options = {"qscale": "1"}
+        if rotation is not None:
+            stream.set_display_rotation(rotation)
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 out.mux(packet)
@@ -176,7 +180,9 @@ def test_decode_video_with_pyav() -> None:
     frames = np.repeat(levels[:, None, None, None], 3, axis=3).repeat(32, axis=1).repeat(48, axis=2).astype(np.uint8)
     data = _encode(frames, 10)
     v = decode_video(data, TINY)
-    assert v.fps == 10.0 and v.indices == (0, 6, 12, 18, 24) and v.frames.shape == (5, 32, 48, 3)
+    # held already resized to the 16x32 preprocess_video gives 5 frames of 32x48
+    assert v.fps == 10.0 and v.indices == (0, 6, 12, 18, 24) and v.frames.shape == (5, 16, 32, 3)
+    assert v.source_size == (32, 48)
     assert np.abs(v.frames.astype(int).mean(axis=(1, 2, 3)) - levels[list(v.indices)]).max() < 4
     url = "data:video/mp4;base64," + base64.b64encode(data).decode()
     assert np.array_equal(decode_video(url, TINY).frames, v.frames)
