@@ -5,7 +5,8 @@ Anthropic's error body.
 The request keeps `messages`, `system`, `tools`, `tool_choice` and `thinking` as plain JSON: messages_items.py
 checks them block by block, so that an error names the block (`messages[2].content[0].type`). Fields that
 would change the result but that nibble cannot honour are refused by name; hints that change nothing here
-(metadata, service_tier, speed, inference_geo, cache_control...) are accepted and ignored.
+(metadata, service_tier, speed, inference_geo, cache_control) are declared and accepted; any other field is
+accepted and logged as ignored (`parse_model`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nibble.server.errors import APIError
-from nibble.server.protocol import MAX_STOP_STRINGS, no_reserved_template_kwargs
+from nibble.server.protocol import MAX_STOP_STRINGS, SharedSamplingFields, no_reserved_template_kwargs
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); any other 5xx is an api_error.
 _ERROR_TYPES = {
@@ -95,6 +96,10 @@ class CountTokensRequest(_Request):
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
+    # Anthropic's prompt caching (a breakpoint for the whole request) and its faster output mode: nibble caches
+    # every prompt's prefix without being asked and has one speed, so both change nothing
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
     # nibble extras (vLLM accepts these on /v1/messages too)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -104,25 +109,22 @@ class CountTokensRequest(_Request):
         return no_reserved_template_kwargs(v)
 
 
-class MessagesRequest(CountTokensRequest):
-    """POST /v1/messages. Besides Anthropic's fields, the sampling extras nibble's other endpoints take
-    (min_p, penalties, seed, ignore_eos, cache_salt, priority) are accepted."""
+class MessagesRequest(CountTokensRequest, SharedSamplingFields):
+    """POST /v1/messages. Besides Anthropic's fields, the sampling fields nibble's other endpoints take
+    (SharedSamplingFields: min_p, penalties, seed, ignore_eos, logit_bias, structured_outputs,
+    allowed_token_ids, bad_words, cache_salt, priority...) are accepted and mean what they mean there."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    # Anthropic's range: "off" is leaving it out (vLLM's -1, which the chat field takes, is refused here)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
-    ignore_eos: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1)
-    priority: int = Field(default=0, strict=True)
+    # nibble has one service tier and serves where it runs: hints that change nothing
+    service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: str | None = None
 
     @field_validator("stop_sequences")
     @classmethod

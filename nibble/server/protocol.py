@@ -1,9 +1,10 @@
 """Pydantic models of the OpenAI-compatible API that nibble serves (/v1/completions, /v1/chat/completions,
 /v1/models), including the sampling extras vLLM clients send (top_k, min_p, repetition_penalty, ...).
 
-Requests ignore unknown fields, because OpenAI SDKs and agent frameworks send many. Values nibble cannot
-honour are rejected with a message naming the field rather than silently ignored. `format_validation_error`
-turns a pydantic `ValidationError` into one readable message for an HTTP 400 `ErrorResponse`.
+Requests accept unknown fields, because OpenAI SDKs and agent frameworks send many; `parse_model`
+(serving_base.py) logs the ones it drops. Values nibble cannot honour are rejected with a message naming the
+field rather than silently ignored. `format_validation_error` turns a pydantic `ValidationError` into one
+readable message for an HTTP 400 `ErrorResponse`.
 """
 
 from __future__ import annotations
@@ -70,24 +71,18 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+class SharedSamplingFields(_Request):
+    """Sampling fields that every generating endpoint takes under the same name and with the same meaning
+    (vLLM's extras among them). /v1/responses and /v1/messages declare them by inheriting this class and pass
+    them on as they are to the chat request they amount to (SHARED_SAMPLING_FIELDS), so that a field added
+    here reaches every endpoint."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
     # -1 and 0 both mean "off", as in vLLM.
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -98,19 +93,69 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM: lower is served first under --scheduling-policy priority; anything but 0 is refused under fcfs
     priority: int = Field(default=0, strict=True)
+    # vLLM's spelling of an output constraint (see _SamplingRequest.structured_spec for the others)
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM extras: only these tokens may be sampled; words the output must not contain (nibble/engine/
+    # token_masks.py)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not v:
+            raise ValueError("must not be empty (leave it out to allow every token)")
+        if v and any(i < 0 for i in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _known_constraints(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if key in _IGNORED_STRUCTURED_KEYS:
+                continue
+            if key not in _STRUCTURED_KEYS:
+                if value in (None, False):
+                    continue
+                raise ValueError(f"{key!r} is not supported; use one of {', '.join(_STRUCTURED_KEYS)}")
+        return v
+
+
+SHARED_SAMPLING_FIELDS = tuple(SharedSamplingFields.model_fields)
+
+
+class _SamplingRequest(SharedSamplingFields):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     user: str | None = None
     # structured outputs, three spellings: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (structured_spec)
     response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM extras: only these tokens may be sampled; words the output must not contain (nibble/engine/
-    # token_masks.py); keep only the last k prompt tokens (-1: max_model_len); logprobs name tokens "token_id:<id>"
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    # vLLM extras: keep only the last k prompt tokens (-1: max_model_len); logprobs name tokens "token_id:<id>"
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None
 
@@ -140,25 +185,6 @@ class _SamplingRequest(_Request):
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(v)}")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
-        return v
-
-    @field_validator("allowed_token_ids")
-    @classmethod
-    def _allowed_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and not v:
-            raise ValueError("must not be empty (leave it out to allow every token)")
-        if v and any(i < 0 for i in v):
-            raise ValueError("token ids must be non-negative")
-        return v
-
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, v: int | None) -> int | None:
@@ -178,18 +204,6 @@ class _SamplingRequest(_Request):
             spec = v.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
                 raise ValueError("type 'json_schema' needs json_schema.schema, a JSON schema object")
-        return v
-
-    @field_validator("structured_outputs")
-    @classmethod
-    def _known_constraints(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key, value in (v or {}).items():
-            if key in _IGNORED_STRUCTURED_KEYS:
-                continue
-            if key not in _STRUCTURED_KEYS:
-                if value in (None, False):
-                    continue
-                raise ValueError(f"{key!r} is not supported; use one of {', '.join(_STRUCTURED_KEYS)}")
         return v
 
     def structured_spec(self) -> tuple[str, dict[str, Any]] | None:

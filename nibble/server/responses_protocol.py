@@ -5,8 +5,8 @@ The request keeps `input`, `tools` and `tool_choice` as plain JSON: responses_it
 item, so that an error names the item (`input[3].content[0].type`). Fields that would change the result but
 that nibble cannot honour are refused by name (`conversation`, `prompt`, `background`, `truncation: "auto"`);
 hints that change nothing (service_tier, prompt_cache_key, safety_identifier, reasoning.summary,
-max_tool_calls, which only counts hosted tools) are accepted. `stream` and `store` may be null, as the openai
-SDK types them: null means the default.
+max_tool_calls) are declared and accepted; any other field is accepted and logged as ignored (`parse_model`).
+`stream` and `store` may be null, as the openai SDK types them: null means the default.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from nibble.server.protocol import MAX_STOP_STRINGS, no_reserved_template_kwargs
+from nibble.server.protocol import MAX_STOP_STRINGS, SharedSamplingFields, no_reserved_template_kwargs
 
 # `include` values of OpenAI's API. Only the logprobs one changes the output here; the others ask for the
 # results of hosted tools (refused in `tools`) or for encrypted reasoning, which nibble does not produce: its
@@ -42,14 +42,11 @@ def response_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class ResponsesRequest(_Request):
+class ResponsesRequest(SharedSamplingFields):
     """POST /v1/responses. `input`: a string (one user message) or a list of items; `instructions`: a system
-    message put first. Sampling extras vLLM accepts here (top_k, min_p, penalties, seed, stop, ignore_eos,
-    chat_template_kwargs) are accepted too."""
+    message put first. The sampling fields /v1/chat/completions takes (SharedSamplingFields: top_k, min_p,
+    penalties, seed, logit_bias, structured_outputs, allowed_token_ids, bad_words...), `stop`,
+    `include_reasoning` and `chat_template_kwargs` are accepted too and mean what they mean there."""
 
     model: str | None = None
     input: str | list[Any]
@@ -73,14 +70,19 @@ class ResponsesRequest(_Request):
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    # nibble has one service tier; the hint changes nothing
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # OpenAI routes requests with the same key to the same cache; nibble's prefix cache matches any request's
+    # prompt by its tokens, without a key, so the key changes nothing (it is echoed in the response)
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # counts calls of hosted tools only (web search, file search...), which `tools` refuses: with function tools
+    # there is nothing to limit, so any value is honoured as it is (and echoed)
+    max_tool_calls: int | None = Field(default=None, ge=0)
+    # false: the reasoning is still generated (and counted in usage), but the response and its stream leave
+    # the reasoning item out, as /v1/chat/completions leaves reasoning_content out
+    include_reasoning: bool = True
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("input", mode="before")
@@ -299,6 +301,9 @@ class ResponseObject(BaseModel):
     top_p: float | None = None
     top_logprobs: int | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     truncation: str = "disabled"
     store: bool = True
     background: bool = False

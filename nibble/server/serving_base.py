@@ -10,8 +10,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any, TypeVar, get_args
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -129,13 +129,47 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def parse_model(cls: type[M], body: dict[str, Any]) -> M:
-    """Validate `body` into `cls`; a validation failure becomes a 400 naming the field."""
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's annotation holds (`StreamOptions | None` -> StreamOptions), or None."""
+    for kind in (annotation, *get_args(annotation)):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            return kind
+    return None
+
+
+def ignored_fields(cls: type[BaseModel], body: Mapping[str, Any], read_elsewhere: Iterable[str] = ()) -> list[str]:
+    """The keys of `body` that validating it as `cls` drops: neither a field of `cls` (by name or alias) nor one
+    of `read_elsewhere`, the keys the handler reads from the body itself. Keys of nested models are named by
+    their path (a misspelt `stream_options.include_usag`)."""
+    known = set(read_elsewhere)
+    nested: list[str] = []
+    for name, field in cls.model_fields.items():
+        known.update(n for n in (name, field.alias, field.validation_alias) if isinstance(n, str))
+        inner = _nested_model(field.annotation)
+        if inner is not None and isinstance(body.get(name), dict):
+            nested += [f"{name}.{key}" for key in ignored_fields(inner, body[name])]
+    return [key for key in body if key not in known] + nested
+
+
+def parse_model(cls: type[M], body: dict[str, Any], route: str | None = None, request_id: str | None = None,
+                read_elsewhere: Iterable[str] = ()) -> M:
+    """Validate `body` into `cls`; a validation failure becomes a 400 naming the field.
+
+    `route`: the endpoint a client sent `body` to. The fields validation drops (`ignored_fields`) are then
+    logged in one WARNING line with `request_id`, as vLLM logs them: accepted, because SDKs send fields nibble
+    has no use for, but not lost without a word. A body nibble built itself (the chat request a Responses or
+    Messages request amounts to) passes no route.
+    """
     try:
         req = cls.model_validate(body)
     except ValidationError as exc:
         message, param = format_validation_error(exc)
         raise bad_request(message, param=param) from None
+    if route is not None:
+        ignored = ignored_fields(cls, body, read_elsewhere)
+        if ignored:
+            logger.warning("%s%s: the following fields were present in the request but ignored: %s",
+                           f"{request_id} " if request_id else "", route, ", ".join(ignored))
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     return req

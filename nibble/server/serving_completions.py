@@ -81,7 +81,7 @@ class CompletionServing(OpenAIServing):
         request_id = random_id("cmpl")
         try:
             reject_unsupported(body, UNSUPPORTED_FIELDS)
-            req = parse_model(CompletionRequest, body)
+            req = parse_model(CompletionRequest, body, "/v1/completions", request_id, UNSUPPORTED_FIELDS)
             self.check_model(req.model)
             prompt_ids, cut = await asyncio.to_thread(self._prompt_ids, req)
             structured = await self.structured_outputs(req)

@@ -48,7 +48,7 @@ from nibble.server.messages_protocol import (
     message_id,
 )
 from nibble.server.messages_stream import MessageEventWriter
-from nibble.server.protocol import ChatCompletionRequest
+from nibble.server.protocol import SHARED_SAMPLING_FIELDS, ChatCompletionRequest
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     check_generation_error,
@@ -72,9 +72,8 @@ MESSAGES_UNSUPPORTED_FIELDS = {
     "mcp_servers": "MCP servers (the MCP connector) are not supported; the client runs its tools",
 }
 
-# Sampling fields passed on to the chat request as they are: Anthropic's, then nibble's extras.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "ignore_eos", "cache_salt", "priority")
+# Sampling fields passed on to the chat request as they are: Anthropic's, then those every endpoint takes.
+_SAMPLING_FIELDS = ("temperature", "top_p", *SHARED_SAMPLING_FIELDS)
 
 
 def stop_reason_of(out: CompletionOutput, has_tool_calls: bool, max_tokens: int) -> tuple[StopReason | None,
@@ -130,6 +129,10 @@ class MessagesServing(ChatServing):
         except BlockError as exc:
             raise invalid_request(str(exc), param=exc.param) from None
         if isinstance(req, MessagesRequest):
+            if req.structured_outputs is not None and chat["response_format"] is not None:
+                fmt = "output_format" if req.output_format is not None else "output_config.format"
+                raise invalid_request(f"structured_outputs: cannot be given together with {fmt}",
+                                      param="structured_outputs")
             chat["max_completion_tokens"] = req.max_tokens
             chat["stop"] = req.stop_sequences
             for name in _SAMPLING_FIELDS:
@@ -178,7 +181,8 @@ class MessagesServing(ChatServing):
         start = time.monotonic()
         request_id = message_id()
         try:
-            req = parse_model(CountTokensRequest, body)
+            req = parse_model(CountTokensRequest, body, "/v1/messages/count_tokens", request_id,
+                              ("enable_thinking",))
             _, ids, _, _, _, _ = await wait_unless_disconnected(self._render(req, body), request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
@@ -209,7 +213,8 @@ class MessagesServing(ChatServing):
         start = time.monotonic()
         request_id = message_id()
         try:
-            req = parse_model(MessagesRequest, body)
+            req = parse_model(MessagesRequest, body, "/v1/messages", request_id,
+                              (*MESSAGES_UNSUPPORTED_FIELDS, "enable_thinking"))
             job = await self._prepare(req, body, request_id, request)
         except ClientDisconnected:
             self.log_request(request_id, CLIENT_CLOSED, 0, 0, "abort", start)

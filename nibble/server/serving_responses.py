@@ -22,7 +22,7 @@ from nibble.engine.request import RequestOutput
 from nibble.server.chat_output import ChatDeltaBuilder, build_chat_message
 from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request
-from nibble.server.protocol import ChatCompletionRequest
+from nibble.server.protocol import SHARED_SAMPLING_FIELDS, ChatCompletionRequest
 from nibble.server.reasoning import THINK_END
 from nibble.server.response_store import ResponseStore, StoredResponse, input_items_with_ids
 from nibble.server.responses_items import (
@@ -110,22 +110,27 @@ class ResponsesServing(ChatServing):
         """The chat request `req` amounts to (after the conversation items `history`)."""
         given = req.input if isinstance(req.input, list) else [{"role": "user", "content": req.input}]
         messages = input_to_messages([*history, *given], first_index=-len(history))
+        response_format = chat_response_format(req.text)
+        if response_format is not None and req.structured_outputs is not None:
+            raise bad_request("Cannot specify both structured_outputs and text.format", param="structured_outputs")
         chat: dict[str, Any] = {
             "messages": with_instructions(messages, req.instructions),
             "tools": chat_tools(req.tools),
             "tool_choice": chat_tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
             "max_completion_tokens": req.max_output_tokens,
-            "response_format": chat_response_format(req.text),
+            "response_format": response_format,
             "logprobs": req.wants_logprobs,
             "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
             "chat_template_kwargs": req.chat_template_kwargs,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "stop": req.stop,
+            "include_reasoning": req.include_reasoning,
+            **{name: getattr(req, name) for name in SHARED_SAMPLING_FIELDS},
+            # read from the body, as /v1/chat/completions reads it (ChatServing._template_kwargs)
+            "enable_thinking": body.get("enable_thinking"),
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "seed", "stop", "ignore_eos", "enable_thinking", "cache_salt",
-                     "priority"):
-            if body.get(name) is not None:
-                chat[name] = body[name]
         return {k: v for k, v in chat.items() if v is not None}
 
     def _template_kwargs_of(self, req: ResponsesRequest, chat: ChatCompletionRequest,
@@ -176,7 +181,8 @@ class ResponsesServing(ChatServing):
             text=_text_config(req.text), tools=req.tools or [], tool_choice=req.tool_choice or "auto",
             temperature=params.temperature, top_p=params.top_p, top_logprobs=req.top_logprobs,
             max_output_tokens=req.max_output_tokens, store=req.store and self.store.enabled,
-            metadata=req.metadata or {}, user=req.user)
+            max_tool_calls=req.max_tool_calls, prompt_cache_key=req.prompt_cache_key,
+            safety_identifier=req.safety_identifier, metadata=req.metadata or {}, user=req.user)
         streams = self.engine_streams([EngineJob(request_id, ids, params, images, videos)])
         await wait_unless_disconnected(streams.start(), request)
         input_items = [*history, *input_items_with_ids(req.input)]
@@ -204,7 +210,7 @@ class ResponsesServing(ChatServing):
         start = time.monotonic()
         request_id = response_id("resp")
         try:
-            req = parse_model(ResponsesRequest, body)
+            req = parse_model(ResponsesRequest, body, "/v1/responses", request_id, ("enable_thinking",))
             job = await self._prepare(req, body, request_id, request)
         except ClientDisconnected:
             self.log_request(request_id, CLIENT_CLOSED, 0, 0, "abort", start)
@@ -223,7 +229,8 @@ class ResponsesServing(ChatServing):
         except Exception as exc:
             return self.fail(request_id, exc, start).response()
         c = out.outputs[0]
-        message = build_chat_message(c.text, job.thinking, job.chat.tools, job.parse_tools)
+        message = build_chat_message(c.text, job.thinking, job.chat.tools, job.parse_tools,
+                                     job.chat.include_reasoning)
         items = output_items(message, incomplete=c.finish_reason == "length")
         tokens = self._content_tokens(job)
         entries = tokens.feed(c.token_ids, c.logprobs)
@@ -239,7 +246,7 @@ class ResponsesServing(ChatServing):
 
     async def _stream(self, job: _Job, start: float) -> AsyncIterator[str]:
         writer = ResponseEventWriter(job.response)
-        builder = ChatDeltaBuilder(job.thinking, job.chat.tools, job.parse_tools)
+        builder = ChatDeltaBuilder(job.thinking, job.chat.tools, job.parse_tools, job.chat.include_reasoning)
         tokens = self._content_tokens(job)
         outcome: str | None = None
         last: RequestOutput | None = None
