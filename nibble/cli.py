@@ -19,6 +19,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, N
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' for the embedded demo model")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="modelopt_fp4 | modelopt | nvfp4, checked against the checkpoint (default: the checkpoint's)")
+    p.add_argument("--language-model-only", action="store_true",
+                   help="do not load the vision tower (text prompts only; its memory goes to the KV cache)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3")
@@ -28,6 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-max-batch-size", "--max-cudagraph-capture-size", type=int, default=256,
+                   dest="cuda_graph_max_batch_size", metavar="N",
+                   help="largest decode batch captured in a CUDA graph (default: 256)")
     p.add_argument("--cuda-graph-max-mixed-tokens", type=int, default=512,
                    help="largest prefill or mixed prefill+decode step, in tokens, run from a CUDA graph (0: such "
                         "steps run eagerly; at most 512; default: 512)")
@@ -55,7 +62,9 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        cuda_graph_max_mixed_tokens=args.cuda_graph_max_mixed_tokens,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        cuda_graph_max_mixed_tokens=args.cuda_graph_max_mixed_tokens, quantization=args.quantization,
+        limit_mm_per_prompt={"image": 0, "video": 0} if args.language_model_only else None,
         async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,

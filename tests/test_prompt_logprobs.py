@@ -85,9 +85,12 @@ def test_requests_without_prompt_logprobs_get_none() -> None:
 
 
 def test_bad_values_and_speculative_decoding_are_refused() -> None:
-    for bad in (-1, 21):
+    for bad in (-1, 1.5):
         with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     spec = LLMEngine(EngineConfig(model="demo", device="cpu", max_model_len=128, num_speculative_tokens=2))
+    # the upper bound is the engine's --max-logprobs (default 20)
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs must be at most 20"):
+        spec.add_request("r", [1, 2, 3], SamplingParams(prompt_logprobs=21))
     with pytest.raises(RequestError, match="prompt_logprobs"):
         spec.add_request("r", [1, 2, 3], SamplingParams(prompt_logprobs=1))

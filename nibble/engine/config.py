@@ -25,6 +25,8 @@ MAX_SPECULATIVE_TOKENS = 8
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # the input kinds --limit-mm-per-prompt counts
 MM_KINDS = ("image", "video")
+# vLLM's --max-logprobs default: the most log-probabilities per token a request may ask for
+DEFAULT_MAX_LOGPROBS = 20
 
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
@@ -103,6 +105,12 @@ class EngineConfig:
     # most images / videos one prompt may hold (vLLM's --limit-mm-per-prompt, e.g. {"image": 4, "video": 1});
     # a kind left out is unlimited; both 0: text only, the vision tower is not even loaded
     limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's --quantization: None takes the checkpoint's; a name is checked against the checkpoint at start-up
+    # (models/quant_config.check_quantization), so that a command line meant for another checkpoint fails loudly
+    quantization: str | None = None
+    # the most logprobs / top_logprobs / prompt_logprobs one request may ask for (vLLM's --max-logprobs);
+    # -1: no cap but the vocabulary size
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +165,14 @@ class EngineConfig:
                   f"--limit-mm-per-prompt must be a JSON object with keys among {', '.join(MM_KINDS)}, got {limits!r}")
             check(all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()),
                   f"--limit-mm-per-prompt values must be integers >= 0, got {limits!r}")
+        check(self.quantization is None or isinstance(self.quantization, str),
+              f"--quantization must be a method name, got {self.quantization!r}")
+        if isinstance(self.quantization, str):
+            # vLLM spells the names in lower case; "none" is its unset value
+            method = self.quantization.strip().lower()
+            object.__setattr__(self, "quantization", None if method in ("", "none") else method)
+        check(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
+              f"--max-logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
 
     @property
     def speculative(self) -> bool:

@@ -54,6 +54,7 @@ from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.vision_prompts import VisionPrompts
 from nibble.engine.warmup import warm_up
 from nibble.models.config import ModelConfig
+from nibble.models.quant_config import QuantConfigError, check_quantization
 
 logger = logging.getLogger("nibble.engine")
 
@@ -78,6 +79,10 @@ class LLMEngine(VisionPrompts):
         self.config = config
         self.model_dir = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        try:
+            check_quantization(config.quantization, self.model_config.quant, self.model_dir)
+        except QuantConfigError as exc:
+            raise EngineConfigError(str(exc)) from None
         self.device = config.torch_device
         tok_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir
         template = None
@@ -259,6 +264,7 @@ class LLMEngine(VisionPrompts):
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        self.check_logprobs(params)
         if params.prompt_logprobs is not None and self.num_spec_tokens:
             raise RequestError("prompt_logprobs is not supported with speculative decoding (--num-speculative-tokens)")
         biased = [t for t in (params.logit_bias or {}) if t >= vocab]
@@ -303,6 +309,22 @@ class LLMEngine(VisionPrompts):
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most log-probabilities per token a request may ask for: --max-logprobs (-1: the vocabulary
+        size), and never more than the vocabulary holds."""
+        vocab = self.model_config.vocab_size
+        return vocab if self.config.max_logprobs < 0 else min(self.config.max_logprobs, vocab)
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """Refuse logprobs / prompt_logprobs above max_logprobs, as vLLM does. Raises SamplingParamsError
+        (its message starts with the field name)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise SamplingParamsError(f"{name} must be at most {self.max_logprobs} (the engine's "
+                                          f"--max-logprobs), got {value}")
 
     def check_priority(self, params: SamplingParams) -> None:
         """Refuse a request priority other than 0 unless the engine schedules by priority, as vLLM does: under

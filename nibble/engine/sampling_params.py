@@ -105,10 +105,11 @@ class SamplingParams:
         check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
               "must be a non-empty string")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
-        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                               and 0 <= self.prompt_logprobs <= 20),
-              "prompt_logprobs", "must be in [0, 20]")
+        # the upper bound is the engine's --max-logprobs (LLMEngine.check_logprobs)
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
+              "must be an integer >= 0")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "must be an integer >= 0")
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         check(isinstance(self.priority, int) and not isinstance(self.priority, bool), "priority", "must be an integer")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

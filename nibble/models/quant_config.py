@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 NVFP4_GROUP_SIZE = 16
+# vLLM's --quantization names for ModelOpt NVFP4 checkpoints, the one method nibble serves (vLLM calls it
+# modelopt_fp4; "modelopt" is the quant_method such checkpoints write; "nvfp4" is its plain name)
+QUANTIZATION_METHODS = ("modelopt_fp4", "modelopt", "nvfp4")
 
 
 class QuantConfigError(ValueError):
@@ -107,3 +110,19 @@ class QuantConfig:
             raise QuantConfigError(f"{where}: group_size {group_size} is not supported (NVFP4 uses 16)")
         return cls(quant_algo="NVFP4", group_size=NVFP4_GROUP_SIZE, exclude_modules=tuple(exclude),
                    kv_cache_quant_algo=kv)
+
+
+def check_quantization(method: str | None, quant: QuantConfig | None, model_dir: Path) -> None:
+    """Check `--quantization METHOD` against what the checkpoint at `model_dir` holds (`quant`: its parsed
+    quantization config, None when unquantized); None (unset) takes the checkpoint's. A command line written for
+    another checkpoint (an FP8, AWQ or GPTQ one, or an NVFP4 flag on BF16 weights) fails here, naming both."""
+    if method is None:
+        return
+    holds = (f"ModelOpt {quant.quant_algo} weights" if quant is not None
+             else "unquantized weights (no hf_quant_config.json, no quantization_config in config.json)")
+    if method not in QUANTIZATION_METHODS:
+        raise QuantConfigError(f"--quantization {method}: nibble serves ModelOpt NVFP4 checkpoints only "
+                               f"({' / '.join(QUANTIZATION_METHODS)}); {model_dir} holds {holds}")
+    if quant is None:
+        raise QuantConfigError(f"--quantization {method}: {model_dir} holds {holds}; leave --quantization out to "
+                               f"serve them as they are, or make an NVFP4 checkpoint with `nibble quantize`")

@@ -26,7 +26,7 @@ from nibble.engine.async_engine import AsyncEngine
 from nibble.server.errors import APIError
 from nibble.server.messages_protocol import AnthropicError
 from nibble.server.metrics import ServerMetrics
-from nibble.server.protocol import ModelCard, ModelList
+from nibble.server.protocol import ModelCard, ModelList, no_reserved_template_kwargs
 from nibble.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from nibble.server.serving_base import engine_core, json_response, read_json_body
 from nibble.server.serving_chat import ChatServing
@@ -82,7 +82,8 @@ def _messages_auth_dependency(api_key: str | None) -> Callable[[Request], Awaita
 
 def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
               owns_engine: bool = False, cors: dict[str, Any] | None = None,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              default_chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
@@ -91,17 +92,21 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     `owns_engine`: shut the engine down when the app stops. `cors`: CORSMiddleware settings (allow_origins,
     allow_methods, allow_headers, allow_credentials), so that browser pages on other origins can call the API;
     None adds no CORS headers. `max_stored_responses`: finished /v1/responses responses kept in memory for
-    previous_response_id and GET /v1/responses/{id} (0 keeps none).
+    previous_response_id and GET /v1/responses/{id} (0 keeps none). `default_chat_template_kwargs`: chat
+    template kwargs of every chat request (chat completions, responses, messages, /tokenize) that does not set
+    them itself (vLLM's --default-chat-template-kwargs); a key with a request field of its own is a ValueError.
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
     metrics = ServerMetrics(engine, served)
     accepted = _accepted_model_names(engine, served)
+    template = {"default_template_kwargs": no_reserved_template_kwargs(default_chat_template_kwargs)}
     completions = CompletionServing(engine, served, accepted, metrics)
-    chat = ChatServing(engine, served, accepted, metrics)
-    tokens = TokenizeServing(engine, served, accepted, metrics)
-    responses = ResponsesServing(engine, served, accepted, metrics, store=ResponseStore(max_stored_responses))
-    messages = MessagesServing(engine, served, accepted, metrics)
+    chat = ChatServing(engine, served, accepted, metrics, **template)
+    tokens = TokenizeServing(engine, served, accepted, metrics, **template)
+    responses = ResponsesServing(engine, served, accepted, metrics, store=ResponseStore(max_stored_responses),
+                                 **template)
+    messages = MessagesServing(engine, served, accepted, metrics, **template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,9 +1,10 @@
 """`nibble serve`: command-line flags, engine construction and the uvicorn server.
 
-`add_cli_args(parser)` declares the flags (vLLM's names where vLLM has the same knob); `run_cli(args)`
-builds the engine, prints a one-line error (no traceback) when the model or the settings are unusable,
-and serves until interrupted. Engine flags default to None, meaning "EngineConfig's default", so the
-defaults live in one place and `--help` does not need to import torch.
+`add_cli_args(parser)` declares the flags (vLLM's names where vLLM has the same knob; the vLLM flags that nibble
+accepts for compatibility are in compat_args.py); `run_cli(args)` builds the engine, prints a one-line error (no
+traceback) when the model or the settings are unusable, and serves until interrupted. Engine flags default to
+None, meaning "EngineConfig's default", so the defaults live in one place and `--help` does not need to import
+torch.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from nibble.server.compat_args import add_compat_args, log_compat_notes, mm_limits
+
 logger = logging.getLogger("nibble.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# vLLM's names of the formats nibble parses: Qwen3.5 calls tools in the Qwen3-Coder XML format and thinks in
-# <think> blocks.
-TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
 GRACEFUL_SHUTDOWN_S = 10
 
 # CLI destination -> EngineConfig field, for the flags that map one to one.
@@ -37,7 +36,7 @@ _ENGINE_FIELDS = (
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
     "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy", "allowed_local_media_path",
-    "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes", "limit_mm_per_prompt",
+    "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes", "quantization", "max_logprobs",
 )
 
 
@@ -78,6 +77,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "that prefix (ASGI root_path, as vLLM's), e.g. /nibble")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, in place of the model's")
+    server.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+                        default=None, metavar="JSON",
+                        help="chat template kwargs of every chat request that does not set them itself, e.g. "
+                             "'{\"enable_thinking\": false}' (chat completions, responses, messages, /tokenize)")
 
     media = parser.add_argument_group(
         "image URLs", "images given as http(s):// URLs are fetched by the server, as vLLM does; by default from any "
@@ -98,25 +101,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                             "'{\"image\": 0, \"video\": 0}' serves text only and does not load "
                                             "the vision tower, leaving its memory to the KV cache")
 
-    compat = parser.add_argument_group(
-        "vLLM compatibility", "flags vLLM needs for what nibble always does with Qwen3.5; accepted so that a vLLM "
-        "command line works, with the values that describe nibble's behaviour")
-    compat.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="(always on: tool calls in the Qwen3-Coder format become OpenAI tool_calls)")
-    compat.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                        help="(the Qwen3-Coder XML format is the one parsed)")
-    compat.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                        help="(always on: text up to </think> becomes reasoning_content)")
-    compat.add_argument("--trust-remote-code", action="store_true",
-                        help="(nibble runs no code from the checkpoint; accepted and ignored)")
-    compat.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
-                        help="(nibble does not log request contents)")
+    add_compat_args(parser)
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="demo",
                        help="Hugging Face checkpoint directory, or 'demo' for the embedded demo model "
                             "(default: %(default)s)")
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    model.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                       help="the checkpoint's quantization as vLLM names it: modelopt_fp4, modelopt or nvfp4 "
+                            "(ModelOpt NVFP4, the one nibble serves); checked against the checkpoint at start-up "
+                            "(default: the checkpoint's, NVFP4 or none)")
     model.add_argument("--load-format", default=None, choices=("auto", "dummy"),
                        help="'dummy' builds the model from config.json with random weights (default: auto)")
     model.add_argument("--dtype", default=None,
@@ -171,7 +166,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: off)")
     engine.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="draft tokens per step from the model's MTP head (0 = off; default: 0)")
-    engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+    engine.add_argument("--cuda-graph-max-batch-size", "--max-cudagraph-capture-size", type=int, default=None,
+                        dest="cuda_graph_max_batch_size", metavar="N",
                         help="largest decode batch captured in a CUDA graph (default: 256)")
     engine.add_argument("--cuda-graph-max-mixed-tokens", type=int, default=None,
                         help="largest prefill or mixed prefill+decode step, in tokens, run from a CUDA graph "
@@ -179,9 +175,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--moe-backend", default=None, help="force a MoE kernel backend (default: auto)")
     engine.add_argument("--attention-backend", default=None, help="force an attention kernel backend (default: auto)")
     engine.add_argument("--linear-backend", default=None, help="force an NVFP4 linear kernel backend (default: auto)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs per model (default: 1)")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="GPUs per model (default: 1)")
     engine.add_argument("--enable-expert-parallel", action="store_true", default=None,
                         help="shard experts across GPUs instead of tensor-splitting them")
+    engine.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; more is an "
+                             "HTTP 400 (-1: up to the vocabulary size; default: 20, as vLLM)")
     return parser
 
 
@@ -217,6 +216,9 @@ def _json_object(flag: str) -> Any:
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    limits = mm_limits(args)
+    if limits is not None:
+        kwargs["limit_mm_per_prompt"] = limits
     if "allowed_media_domains" in kwargs:
         kwargs["allowed_media_domains"] = tuple(kwargs["allowed_media_domains"])
     spec = getattr(args, "speculative_config", None)
@@ -260,10 +262,12 @@ def _check_tls(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _store_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """build_app's response-store argument when the flag was given (else the app's default)."""
-    value = getattr(args, "max_stored_responses", None)
-    return {} if value is None else {"max_stored_responses": value}
+def _app_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """build_app's response-store and chat-template-defaults arguments for the flags given (else the app's
+    defaults)."""
+    settings = {"max_stored_responses": getattr(args, "max_stored_responses", None),
+                "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None)}
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def _fail(message: str) -> int:
@@ -301,6 +305,13 @@ def run_cli(args: argparse.Namespace) -> int:
         return _fail(tls_error)
     if (getattr(args, "max_stored_responses", None) or 0) < 0:
         return _fail(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    from nibble.server.protocol import no_reserved_template_kwargs
+
+    try:
+        no_reserved_template_kwargs(getattr(args, "default_chat_template_kwargs", None))
+    except ValueError as exc:
+        return _fail(f"--default-chat-template-kwargs: {exc}")
+    log_compat_notes(args, logger)
 
     from nibble.engine.async_engine import AsyncEngine
     from nibble.engine.config import EngineConfig, EngineConfigError
@@ -352,9 +363,11 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
 
     app = build_app(engine, api_key=args.api_key or None, served_model_name=args.served_model_name,
                     owns_engine=True, cors=cors_settings(args),
-                    **_store_settings(args))
-    # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long.
-    config = uvicorn.Config(app, log_level=args.log_level, log_config=None, access_log=False,
+                    **_app_settings(args))
+    # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long. No access
+    # log: nibble logs one line per request itself (serving_base.log_request).
+    config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
+                            log_config=None, access_log=False,
                             timeout_keep_alive=30, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             ssl_keyfile=getattr(args, "ssl_keyfile", None),
                             ssl_certfile=getattr(args, "ssl_certfile", None),

@@ -250,9 +250,10 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # logprobs fields have no upper bound here: it is the engine's --max-logprobs (OpenAIServing.sampling_params)
+    logprobs: int | None = Field(default=None, ge=0)
     # vLLM extra: log-probabilities of the prompt tokens (and this many alternatives), as vLLM returns them
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -306,14 +307,14 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # vLLM/transformers: generation continues the final (assistant) message instead of starting a new turn
     continue_final_message: bool = False
     include_reasoning: bool = True
     # vLLM extra: log-probabilities of the prompt tokens, returned as the response's top-level prompt_logprobs
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     @field_validator("tool_choice")
     @classmethod

@@ -58,7 +58,7 @@ class ResponsesRequest(SharedSamplingFields):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None

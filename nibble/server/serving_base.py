@@ -225,9 +225,12 @@ class OpenAIServing:
     """Base of the two endpoint handlers; holds the engine, the served names and the metrics."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, accepted_names: set[str],
-                 metrics: ServerMetrics) -> None:
-        """`accepted_names`: model names a request may give (the served name, the model path...)."""
+                 metrics: ServerMetrics, default_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        """`accepted_names`: model names a request may give (the served name, the model path...).
+        `default_template_kwargs`: chat template kwargs every chat request gets unless it sets them itself
+        (vLLM's --default-chat-template-kwargs, e.g. {"enable_thinking": false})."""
         self.engine = engine
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         self.core = engine_core(engine)
         self.served_model_name = served_model_name
         self.accepted_names = accepted_names
@@ -255,8 +258,13 @@ class OpenAIServing:
                     add_generation_prompt: bool, template_kwargs: dict[str, Any],
                     continue_final_message: bool = False) -> tuple[str, list[int]]:
         """The chat template's prompt text for `messages` and its token ids; a template error is a 400 naming
-        `tools`, `messages` or `continue_final_message`."""
+        `tools`, `messages` or `continue_final_message`. Every chat endpoint renders through here, so this is
+        where the server's default template kwargs join the request's: `template_kwargs` is completed in place
+        (the request's own values win), so that what the caller reads from it afterwards (leaves_thinking) is
+        what the template saw."""
         assert self.tokenizer is not None
+        for key, value in self.default_template_kwargs.items():
+            template_kwargs.setdefault(key, value)
         try:
             prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                         add_generation_prompt=add_generation_prompt,
@@ -342,6 +350,9 @@ class OpenAIServing:
                 values[name] = value
         if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
             raise bad_request(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {req.seed}", param="seed")
+        # checked here, not left to the engine, so that the 400 names this endpoint's field
+        self.check_logprobs(logprobs, "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         try:
             params = SamplingParams(
                 **values, seed=req.seed, stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
@@ -354,6 +365,14 @@ class OpenAIServing:
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None
         return params
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        """400 naming `param` when a request asks for more log-probabilities per token than the engine's
+        --max-logprobs allows (vLLM's default cap: 20)."""
+        limit = self.core.max_logprobs
+        if value is not None and value > limit:
+            raise bad_request(f"{param} must be at most {limit} (the server's --max-logprobs), got {value}",
+                              param=param)
 
     def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, has_vision: bool = False) -> list[int]:
         """The prompt's token ids cut to the request's `truncate_prompt_tokens` (the last k; -1: max_model_len),

@@ -38,9 +38,11 @@ class ServerHandle:
         self.thread.join(timeout=10)
 
 
-def start_server(engine: AsyncEngine, api_key: str | None = None, cors: dict[str, Any] | None = None) -> ServerHandle:
-    """Serve `engine` with uvicorn in a background thread on a free port of 127.0.0.1 (`cors`: see build_app)."""
-    app = build_app(engine, api_key=api_key, cors=cors)
+def start_server(engine: AsyncEngine, api_key: str | None = None, cors: dict[str, Any] | None = None,
+                 **app_settings: Any) -> ServerHandle:
+    """Serve `engine` with uvicorn in a background thread on a free port of 127.0.0.1 (`cors` and
+    `app_settings`, e.g. default_chat_template_kwargs: see build_app)."""
+    app = build_app(engine, api_key=api_key, cors=cors, **app_settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
