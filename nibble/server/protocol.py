@@ -315,6 +315,9 @@ class ChatCompletionRequest(_SamplingRequest):
     include_reasoning: bool = True
     # vLLM extra: log-probabilities of the prompt tokens, returned as the response's top-level prompt_logprobs
     prompt_logprobs: int | None = Field(default=None, ge=0)
+    # OpenAI's chat field: "none" turns Qwen3.5's thinking off (enable_thinking false), as reasoning.effort does
+    # on /v1/responses; the other levels leave it on, Qwen3.5 has no finer ones
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @field_validator("tool_choice")
     @classmethod

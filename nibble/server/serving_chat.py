@@ -83,6 +83,10 @@ class ChatServing(OpenAIServing):
                 raise bad_request("enable_thinking and chat_template_kwargs.enable_thinking disagree",
                                   param="enable_thinking")
             kwargs["enable_thinking"] = top
+        if req.reasoning_effort == "none":
+            if kwargs.get("enable_thinking") is True:
+                raise bad_request("reasoning_effort 'none' and enable_thinking true disagree", param="reasoning_effort")
+            kwargs["enable_thinking"] = False
         return kwargs
 
     def _tool_grammar(self, req: ChatCompletionRequest) -> str | None:

@@ -69,6 +69,21 @@ def test_thinking_is_on_by_default_and_split(client: openai.OpenAI, server: Serv
     assert top_level.content == plain.content
 
 
+def test_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI, server: ServerHandle) -> None:
+    plain = chat(client, server, max_tokens=16, extra_body=NO_THINK)
+    no_effort = chat(client, server, max_tokens=16, reasoning_effort="none")
+    assert no_effort.choices[0].message.content == plain.choices[0].message.content
+    assert no_effort.usage.prompt_tokens == plain.usage.prompt_tokens
+    thinking = chat(client, server, max_tokens=16)
+    high = chat(client, server, max_tokens=16, reasoning_effort="high")
+    assert high.usage.prompt_tokens == thinking.usage.prompt_tokens != plain.usage.prompt_tokens
+    for extra, param in (({"enable_thinking": True}, "reasoning_effort"), ({"reasoning_effort": "extreme"}, None)):
+        body = {"model": server.model, "messages": MESSAGES, "max_tokens": 4, "reasoning_effort": "none", **extra}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert param is None or r.json()["error"]["param"] == param
+
+
 def test_rendered_prompt_matches_completions(client: openai.OpenAI, server: ServerHandle,
                                              tokenizer: Tokenizer) -> None:
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, enable_thinking=False)
