@@ -38,9 +38,9 @@ from nibble.server.serving_tokenize import TokenizeServing
 logger = logging.getLogger("nibble.server")
 
 
-def _accepted_model_names(engine: AsyncEngine, served: str) -> set[str]:
+def _accepted_model_names(engine: AsyncEngine, served: str, aliases: tuple[str, ...] = ()) -> set[str]:
     core = engine_core(engine)
-    names = {served, core.config.model, str(core.model_dir)}
+    names = {served, *aliases, core.config.model, str(core.model_dir)}
     if core.config.served_model_name:
         names.add(core.config.served_model_name)
     return names
@@ -83,7 +83,8 @@ def _messages_auth_dependency(api_key: str | None) -> Callable[[Request], Awaita
 def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
               owns_engine: bool = False, cors: dict[str, Any] | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              default_chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
+              default_chat_template_kwargs: dict[str, Any] | None = None,
+              served_model_aliases: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
@@ -95,11 +96,14 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     previous_response_id and GET /v1/responses/{id} (0 keeps none). `default_chat_template_kwargs`: chat
     template kwargs of every chat request (chat completions, responses, messages, /tokenize) that does not set
     them itself (vLLM's --default-chat-template-kwargs); a key with a request field of its own is a ValueError.
+    `served_model_aliases`: more names requests may use (vLLM's --served-model-name A B ...: all are listed in
+    /v1/models, responses carry the first).
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
     metrics = ServerMetrics(engine, served)
-    accepted = _accepted_model_names(engine, served)
+    accepted = _accepted_model_names(engine, served, served_model_aliases)
+    listed = [served, *(a for a in dict.fromkeys(served_model_aliases) if a != served)]
     template = {"default_template_kwargs": no_reserved_template_kwargs(default_chat_template_kwargs)}
     completions = CompletionServing(engine, served, accepted, metrics)
     chat = ChatServing(engine, served, accepted, metrics, **template)
@@ -161,6 +165,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
         reason = engine.dead_reason or "the engine thread stopped"
         return error_json(APIError(503, f"the engine is not running: {reason}", code="engine_dead"))
 
+    # SageMaker's health route, which vLLM serves too
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
@@ -170,17 +177,17 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=served, root=str(core.model_dir), max_model_len=core.max_model_len)
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=str(core.model_dir), max_model_len=core.max_model_len)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> Response:
-        return json_response(ModelList(data=[model_card()]))
+        return json_response(ModelList(data=[model_card(name) for name in listed]))
 
     @app.get("/v1/models/{model:path}", dependencies=auth)
     async def get_model(model: str) -> Response:
         completions.check_model(model)
-        return json_response(model_card())
+        return json_response(model_card(model if model in listed else served))
 
     @app.post("/v1/completions", dependencies=auth)
     async def create_completion(request: Request) -> Response:

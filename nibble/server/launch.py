@@ -45,8 +45,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    server.add_argument("--served-model-name", default=None,
-                        help="model name clients use in requests and see in /v1/models (default: --model)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) clients use in requests and see in /v1/models (default: --model); "
+                             "responses carry the first")
     server.add_argument("--api-key", default=os.environ.get("NIBBLE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $NIBBLE_API_KEY, else none)")
     # SUPPRESS: when `nibble --log-level X serve` set it on the parent parser, an unset flag here must not
@@ -216,6 +217,9 @@ def _json_object(flag: str) -> Any:
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed flags (only those the user set, plus the model)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+    if isinstance(kwargs.get("served_model_name"), list):
+        # the engine knows the first name (the one responses carry); build_app accepts the others too
+        kwargs["served_model_name"] = kwargs["served_model_name"][0]
     limits = mm_limits(args)
     if limits is not None:
         kwargs["limit_mm_per_prompt"] = limits
@@ -265,7 +269,9 @@ def _check_tls(args: argparse.Namespace) -> str | None:
 def _app_settings(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's response-store and chat-template-defaults arguments for the flags given (else the app's
     defaults)."""
+    names = getattr(args, "served_model_name", None)
     settings = {"max_stored_responses": getattr(args, "max_stored_responses", None),
+                "served_model_aliases": tuple(names[1:]) if isinstance(names, list) and len(names) > 1 else None,
                 "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None)}
     return {name: value for name, value in settings.items() if value is not None}
 
@@ -361,7 +367,8 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
     from nibble.server.api_server import build_app
     from nibble.server.serving_base import engine_core
 
-    app = build_app(engine, api_key=args.api_key or None, served_model_name=args.served_model_name,
+    names = args.served_model_name
+    app = build_app(engine, api_key=args.api_key or None, served_model_name=names[0] if names else None,
                     owns_engine=True, cors=cors_settings(args),
                     **_app_settings(args))
     # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long. No access

@@ -23,7 +23,7 @@ from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.models.config import ModelConfig
 from nibble.models.quant_config import QuantConfigError, check_quantization
 from nibble.server.compat_args import log_compat_notes
-from nibble.server.launch import add_cli_args, engine_config_kwargs, run_cli
+from nibble.server.launch import _app_settings, add_cli_args, engine_config_kwargs, run_cli
 from nibble.server.reasoning import THINK_END, THINK_START
 
 from .conftest import ServerHandle, make_engine, start_server
@@ -252,3 +252,23 @@ def test_vllm_command_line_end_to_end() -> None:
                        json={"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 6})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     assert f"listening on {url}" in output[0] and "Application startup complete" not in output[0]
+
+
+def test_several_served_model_names(engine: AsyncEngine) -> None:
+    """vLLM's `--served-model-name A B`: every name is listed and accepted, responses carry the first; /ping
+    answers as /health does."""
+    args = parse("--served-model-name", "qwen35", "Qwen/Qwen3.5-122B-A10B")
+    assert config_of("--served-model-name", "qwen35", "Qwen/Qwen3.5-122B-A10B").served_model_name == "qwen35"
+    assert _app_settings(args)["served_model_aliases"] == ("Qwen/Qwen3.5-122B-A10B",)
+    handle = start_server(engine, served_model_name="qwen35", served_model_aliases=("Qwen/Qwen3.5-122B-A10B",))
+    try:
+        listed = httpx.get(handle.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["qwen35", "Qwen/Qwen3.5-122B-A10B"]
+        assert httpx.get(handle.url + "/v1/models/Qwen/Qwen3.5-122B-A10B").json()["id"] == "Qwen/Qwen3.5-122B-A10B"
+        out = _post(handle, "/v1/completions", {"model": "Qwen/Qwen3.5-122B-A10B", "prompt": "hi", "max_tokens": 2})
+        assert out["model"] == "qwen35"
+        r = httpx.post(handle.url + "/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404
+        assert httpx.get(handle.url + "/ping").status_code == httpx.post(handle.url + "/ping").status_code == 200
+    finally:
+        handle.stop()
