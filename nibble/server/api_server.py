@@ -27,6 +27,7 @@ from nibble.server.errors import APIError
 from nibble.server.messages_protocol import AnthropicError
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import ModelCard, ModelList, no_reserved_template_kwargs
+from nibble.server.request_ids import RequestIdHeader
 from nibble.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from nibble.server.serving_base import engine_core, json_response, read_json_body
 from nibble.server.serving_chat import ChatServing
@@ -124,8 +125,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
                   openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.add_middleware(RequestIdHeader)
     if cors is not None:
-        app.add_middleware(CORSMiddleware, **cors)
+        # added last, so outermost: CORS headers go on every response, and X-Request-Id is exposed to pages
+        app.add_middleware(CORSMiddleware, **{"expose_headers": ["X-Request-Id"], **cors})
     auth = [Depends(_auth_dependency(api_key))]
     messages_auth = [Depends(_messages_auth_dependency(api_key))]
 

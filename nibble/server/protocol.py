@@ -155,6 +155,8 @@ class _SamplingRequest(SharedSamplingFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM extra: the client's id of the request (request_ids.py), as an X-Request-Id header also gives it
+    request_id: str | None = None
     # vLLM extras: keep only the last k prompt tokens (-1: max_model_len); logprobs name tokens "token_id:<id>"
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None

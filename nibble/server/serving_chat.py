@@ -25,9 +25,9 @@ from nibble.server.protocol import (
     ChatCompletionStreamResponse,
     DeltaMessage,
     UsageInfo,
-    random_id,
 )
 from nibble.server.reasoning import THINK_END, THINK_START
+from nibble.server.request_ids import engine_request_id, request_id_of
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     UNSUPPORTED_FIELDS,
@@ -107,7 +107,8 @@ class ChatServing(OpenAIServing):
     async def create(self, body: dict[str, Any], request: Request) -> Response:
         """Serve one /v1/chat/completions request (already parsed as JSON)."""
         start = time.monotonic()
-        request_id = random_id("chatcmpl")
+        request_id, chosen = request_id_of("chatcmpl", request, body)
+        engine_id = engine_request_id(request_id, chosen)
         try:
             reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
             modalities = body.get("modalities")
@@ -144,7 +145,7 @@ class ChatServing(OpenAIServing):
             if req.prompt_logprobs is not None and not req.stream:
                 params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
             parse_tools = bool(req.tools) and req.tool_choice != "none"
-            jobs = [EngineJob(request_id if req.n == 1 else f"{request_id}-{j}", ids, p, images, videos)
+            jobs = [EngineJob(engine_id if req.n == 1 else f"{engine_id}-{j}", ids, p, images, videos)
                     for j, p in enumerate(self.choice_params(params, req.n))]
             streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)

@@ -29,8 +29,8 @@ from nibble.server.protocol import (
     CompletionStreamResponse,
     PromptLogprob,
     UsageInfo,
-    random_id,
 )
+from nibble.server.request_ids import engine_request_id, request_id_of
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     UNSUPPORTED_FIELDS,
@@ -78,7 +78,8 @@ class CompletionServing(OpenAIServing):
     async def create(self, body: dict[str, Any], request: Request) -> Response:
         """Serve one /v1/completions request (already parsed as JSON)."""
         start = time.monotonic()
-        request_id = random_id("cmpl")
+        request_id, chosen = request_id_of("cmpl", request, body)
+        engine_id = engine_request_id(request_id, chosen)
         try:
             reject_unsupported(body, UNSUPPORTED_FIELDS)
             req = parse_model(CompletionRequest, body, "/v1/completions", request_id, UNSUPPORTED_FIELDS)
@@ -94,7 +95,7 @@ class CompletionServing(OpenAIServing):
                     params = dataclasses.replace(params, prompt_logprobs=max(wanted))
                 # choice i * n + j is prompt i's j-th completion, as OpenAI numbers them
                 for j, choice_params in enumerate(self.choice_params(params, req.n)):
-                    jobs.append(EngineJob(f"{request_id}-{i * req.n + j}", ids, choice_params))
+                    jobs.append(EngineJob(f"{engine_id}-{i * req.n + j}", ids, choice_params))
             streams = self.engine_streams(jobs)
             await wait_unless_disconnected(streams.start(), request)
         except ClientDisconnected:

@@ -212,6 +212,7 @@ class MessagesServing(ChatServing):
         """Serve one POST /v1/messages (already parsed as JSON)."""
         start = time.monotonic()
         request_id = message_id()
+        request.state.request_id = request_id
         try:
             req = parse_model(MessagesRequest, body, "/v1/messages", request_id,
                               (*MESSAGES_UNSUPPORTED_FIELDS, "enable_thinking"))

@@ -209,6 +209,8 @@ class ResponsesServing(ChatServing):
         """Serve one POST /v1/responses (already parsed as JSON)."""
         start = time.monotonic()
         request_id = response_id("resp")
+        # a client's X-Request-Id is echoed, not taken: response ids key the store, so nibble keeps them unique
+        request.state.request_id = request_id
         try:
             req = parse_model(ResponsesRequest, body, "/v1/responses", request_id, ("enable_thinking",))
             job = await self._prepare(req, body, request_id, request)
