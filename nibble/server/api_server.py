@@ -85,7 +85,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
               owns_engine: bool = False, cors: dict[str, Any] | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               default_chat_template_kwargs: dict[str, Any] | None = None,
-              served_model_aliases: tuple[str, ...] = ()) -> FastAPI:
+              served_model_aliases: tuple[str, ...] = (), force_include_usage: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
@@ -98,15 +98,17 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     template kwargs of every chat request (chat completions, responses, messages, /tokenize) that does not set
     them itself (vLLM's --default-chat-template-kwargs); a key with a request field of its own is a ValueError.
     `served_model_aliases`: more names requests may use (vLLM's --served-model-name A B ...: all are listed in
-    /v1/models, responses carry the first).
+    /v1/models, responses carry the first). `force_include_usage`: streamed completions and chat completions
+    end with a usage chunk even when they do not ask for one (vLLM's --enable-force-include-usage).
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
     metrics = ServerMetrics(engine, served)
     accepted = _accepted_model_names(engine, served, served_model_aliases)
     listed = [served, *(a for a in dict.fromkeys(served_model_aliases) if a != served)]
-    template = {"default_template_kwargs": no_reserved_template_kwargs(default_chat_template_kwargs)}
-    completions = CompletionServing(engine, served, accepted, metrics)
+    template = {"default_template_kwargs": no_reserved_template_kwargs(default_chat_template_kwargs),
+                "force_include_usage": force_include_usage}
+    completions = CompletionServing(engine, served, accepted, metrics, force_include_usage=force_include_usage)
     chat = ChatServing(engine, served, accepted, metrics, **template)
     tokens = TokenizeServing(engine, served, accepted, metrics, **template)
     responses = ResponsesServing(engine, served, accepted, metrics, store=ResponseStore(max_stored_responses),

@@ -63,6 +63,11 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         help="log level of uvicorn's own loggers (default: --log-level)")
     compat.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="(uvicorn's access log is always off: nibble logs one line per request itself)")
+    compat.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every streamed completion / chat completion ends with a usage chunk, as if it set "
+                             "stream_options.include_usage")
+    compat.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="(usage.prompt_tokens_details.cached_tokens is always returned)")
     compat.add_argument("--enable-request-id-headers", action="store_true",
                         help="(every response always carries X-Request-Id: the client's, else nibble's id)")
 

@@ -272,7 +272,8 @@ def _app_settings(args: argparse.Namespace) -> dict[str, Any]:
     names = getattr(args, "served_model_name", None)
     settings = {"max_stored_responses": getattr(args, "max_stored_responses", None),
                 "served_model_aliases": tuple(names[1:]) if isinstance(names, list) and len(names) > 1 else None,
-                "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None)}
+                "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
+                "force_include_usage": getattr(args, "enable_force_include_usage", None) or None}
     return {name: value for name, value in settings.items() if value is not None}
 
 

@@ -32,6 +32,7 @@ from nibble.server.protocol import (
     CompletionRequest,
     ConflictingConstraints,
     PromptTokensDetails,
+    StreamOptions,
     UsageInfo,
     format_validation_error,
 )
@@ -225,11 +226,14 @@ class OpenAIServing:
     """Base of the two endpoint handlers; holds the engine, the served names and the metrics."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, accepted_names: set[str],
-                 metrics: ServerMetrics, default_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 metrics: ServerMetrics, default_template_kwargs: Mapping[str, Any] | None = None,
+                 force_include_usage: bool = False) -> None:
         """`accepted_names`: model names a request may give (the served name, the model path...).
         `default_template_kwargs`: chat template kwargs every chat request gets unless it sets them itself
-        (vLLM's --default-chat-template-kwargs, e.g. {"enable_thinking": false})."""
+        (vLLM's --default-chat-template-kwargs, e.g. {"enable_thinking": false}). `force_include_usage`: every
+        stream ends with a usage chunk, as if it asked for one (vLLM's --enable-force-include-usage)."""
         self.engine = engine
+        self.force_include_usage = force_include_usage
         self.default_template_kwargs = dict(default_template_kwargs or {})
         self.core = engine_core(engine)
         self.served_model_name = served_model_name
@@ -242,6 +246,13 @@ class OpenAIServing:
         self.default_max_new_tokens: int | None = defaults.pop("max_new_tokens", None)
         self.sampling_defaults: dict[str, Any] = defaults
         self._background: set[asyncio.Task[None]] = set()
+
+    def usage_default(self, req: M) -> M:
+        """`req` with `stream_options.include_usage` turned on for a stream when the server forces usage."""
+        if self.force_include_usage and getattr(req, "stream", False) and not getattr(req, "include_usage", True):
+            options = req.stream_options or StreamOptions()  # type: ignore[attr-defined]
+            req.stream_options = options.model_copy(update={"include_usage": True})  # type: ignore[attr-defined]
+        return req
 
     def check_model(self, name: str | None) -> None:
         """404 model_not_found unless `name` is absent or one of the accepted names."""

@@ -114,8 +114,8 @@ class ChatServing(OpenAIServing):
             modalities = body.get("modalities")
             if modalities is not None and modalities != ["text"]:
                 raise bad_request("modalities: only ['text'] is supported", param="modalities")
-            req = parse_model(ChatCompletionRequest, body, "/v1/chat/completions", request_id,
-                              (*CHAT_UNSUPPORTED_FIELDS, "modalities", "enable_thinking"))
+            req = self.usage_default(parse_model(ChatCompletionRequest, body, "/v1/chat/completions", request_id,
+                                                 (*CHAT_UNSUPPORTED_FIELDS, "modalities", "enable_thinking")))
             if req.stream and req.prompt_logprobs:
                 # as vLLM: a chat stream has no place for them
                 raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")

@@ -82,7 +82,8 @@ class CompletionServing(OpenAIServing):
         engine_id = engine_request_id(request_id, chosen)
         try:
             reject_unsupported(body, UNSUPPORTED_FIELDS)
-            req = parse_model(CompletionRequest, body, "/v1/completions", request_id, UNSUPPORTED_FIELDS)
+            req = self.usage_default(parse_model(CompletionRequest, body, "/v1/completions", request_id,
+                                                 UNSUPPORTED_FIELDS))
             self.check_model(req.model)
             prompt_ids, cut = await asyncio.to_thread(self._prompt_ids, req)
             structured = await self.structured_outputs(req)

@@ -272,3 +272,20 @@ def test_several_served_model_names(engine: AsyncEngine) -> None:
         assert httpx.get(handle.url + "/ping").status_code == httpx.post(handle.url + "/ping").status_code == 200
     finally:
         handle.stop()
+
+
+def test_force_include_usage(engine: AsyncEngine) -> None:
+    """--enable-force-include-usage: a stream that does not ask for usage still ends with a usage chunk."""
+    assert _app_settings(parse("--enable-force-include-usage"))["force_include_usage"] is True
+    assert "force_include_usage" not in _app_settings(parse("--enable-prompt-tokens-details"))
+    handle = start_server(engine, force_include_usage=True)
+    try:
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": USER})):
+            body = {**body, "max_tokens": 3, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", handle.url + path, json=body, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            assert chunks[-1]["usage"]["completion_tokens"] == 3, path
+            assert all(c.get("usage") is None for c in chunks[:-1]), path
+    finally:
+        handle.stop()
