@@ -8,8 +8,11 @@ tokens with a fixed delay before the first chunk and between chunks, and records
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import math
+import random
 import socket
 import threading
 from pathlib import Path
@@ -18,8 +21,10 @@ import pytest
 from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from nibble.bench.datasets import load_tokenizer, sample_random_requests
-from nibble.bench.serve import BenchServeConfig, main, run_benchmark
+import nibble
+from nibble.bench.datasets import load_tokenizer, sample_prefix_repetition_requests, sample_random_requests
+from nibble.bench.datasets_files import load_sharegpt, sample_sharegpt_requests
+from nibble.bench.serve import BenchError, BenchServeConfig, build_requests, main, run_benchmark
 
 MODEL = "stand-in/tiny"
 QWEN_TOKENIZER = Path("/work/shared/models/qwen3.5/tokenizer/tokenizer.json")
@@ -385,3 +390,293 @@ def test_cli_missing_tokenizer(capsys, tmp_path):
     assert "needs a tokenizer" in capsys.readouterr().err
     assert main(["--tokenizer", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _words(n: int, start: int = 0) -> str:
+    """`n` words of the word tokenizer's vocabulary: exactly `n` tokens."""
+    return " ".join(f"w{(start + i) % 200}" for i in range(n))
+
+
+def _write_sharegpt(path: Path, conversations: list) -> Path:
+    """ShareGPT JSON from lists of turn texts (alternating human/gpt); dicts are written as they are."""
+    entries = [
+        c
+        if isinstance(c, dict)
+        else {"conversations": [{"from": "human gpt".split()[i % 2], "value": v} for i, v in enumerate(c)]}
+        for c in conversations
+    ]
+    path.write_text(json.dumps(entries, indent=1))
+    return path
+
+
+def _write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer() -> Tokenizer:
+    if not QWEN_TOKENIZER.exists():
+        pytest.skip("Qwen3.5 tokenizer not present")
+    return load_tokenizer(QWEN_TOKENIZER)
+
+
+def test_sharegpt_length_filter_follows_vllm(word_tokenizer, tmp_path):
+    path = _write_sharegpt(
+        tmp_path / "sg.json",
+        [
+            [_words(5), _words(6)],
+            [_words(1024), _words(1024)],  # prompt at the limit, total exactly 2048
+            [_words(3), _words(10)],  # prompt too short
+            [_words(10), _words(3)],  # reply too short
+            [_words(1025), _words(10)],  # prompt too long
+            [_words(1000), _words(1049)],  # prompt + reply = 2049
+            [_words(7), _words(8), _words(30)],  # only the first two turns count
+            [_words(10)],  # no reply: skipped when loading, as vLLM does
+            {"id": "no conversations"},
+        ],
+    )
+    data = load_sharegpt(path)
+    assert (data.num_entries, len(data.pairs)) == (9, 7)
+    tok = load_tokenizer(word_tokenizer)
+    reqs = sample_sharegpt_requests(data, tok, 100, oversample=False)
+    assert sorted((r.prompt_len, r.output_len) for r in reqs) == [(5, 6), (7, 8), (1024, 1024)]
+    assert all(r.prompt in {_words(5), _words(7), _words(1024)} for r in reqs)
+    # A fixed output length lifts the reply minimum and replaces the reply's length in the total.
+    fixed = sample_sharegpt_requests(data, tok, 100, output_len=8, oversample=False)
+    assert sorted(r.prompt_len for r in fixed) == [5, 7, 10, 1000, 1024] and {r.output_len for r in fixed} == {8}
+
+
+def test_sharegpt_seeded_order_and_oversampling(word_tokenizer, tmp_path):
+    convs = [[_words(4 + i, 10 * i), _words(5 + i)] for i in range(6)]
+    data = load_sharegpt(_write_sharegpt(tmp_path / "sg.json", convs))
+    tok = load_tokenizer(word_tokenizer)
+
+    def prompts(**kw) -> list:
+        return [r.prompt for r in sample_sharegpt_requests(data, tok, **{"num_prompts": 6, **kw})]
+
+    # Python's random with the seed, as vLLM shuffles, so a seed picks the conversations vLLM's would.
+    order = list(range(6))
+    random.Random(3).shuffle(order)
+    assert prompts(seed=3) == [convs[i][0] for i in order] == prompts(seed=3)
+    assert prompts(seed=4) != prompts(seed=3) and sorted(prompts(seed=4)) == sorted(prompts(seed=3))
+    assert prompts(shuffle=False) == [c[0] for c in convs]
+    topped_up = prompts(num_prompts=10, seed=3)
+    assert len(topped_up) == 10 and set(topped_up) == set(convs[i][0] for i in order)
+    assert topped_up[:6] == prompts(seed=3) and topped_up == prompts(num_prompts=10, seed=3)
+    assert len(prompts(num_prompts=10, oversample=False)) == 6
+    ids = sample_sharegpt_requests(data, tok, 2, as_token_ids=True)
+    assert all(isinstance(r.prompt, list) and len(r.prompt) == r.prompt_len for r in ids)
+
+
+def test_sharegpt_chat_run_without_oversampling(serve, word_tokenizer, tmp_path):
+    convs = [[_words(4 + i, 7 * i), _words(4 + 2 * i)] for i in range(5)] + [[_words(2), _words(9)]]
+    path = _write_sharegpt(tmp_path / "sg.json", convs)
+    server = serve()
+    cfg = _cfg(
+        server,
+        word_tokenizer,
+        backend="openai-chat",
+        dataset_name="sharegpt",
+        dataset_path=str(path),
+        num_prompts=8,
+        no_oversample=True,
+    )
+    result = asyncio.run(run_benchmark(cfg))
+    assert result.metrics.num_completed == 5  # 5 usable conversations, sent once each
+    sent = {b["messages"][0]["content"]: b["max_tokens"] for b in server.bodies[1:]}
+    assert sent == {_words(4 + i, 7 * i): 4 + 2 * i for i in range(5)}
+    assert server.bodies[-1]["messages"][0]["role"] == "user"
+    assert result.metrics.total_input_tokens == sum(4 + i for i in range(5))
+    doc = result.to_dict()
+    assert doc["dataset"] == {
+        "name": "sharegpt",
+        "seed": 0,
+        "path": str(path),
+        "oversample": False,
+        "shuffle": True,
+        "output_len": None,
+    }
+    assert doc["config"]["dataset_path"] == str(path)
+
+
+def test_custom_dataset_lengths_and_chat_template(word_tokenizer, tmp_path):
+    path = _write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"prompt": _words(3), "output_tokens": 5},
+            "",
+            {"prompt": _words(2, 9)},
+            {"prompt": _words(1, 50), "note": "extra fields are ignored"},
+        ],
+    )
+    cfg = BenchServeConfig(
+        tokenizer=str(word_tokenizer),
+        dataset_name="custom",
+        dataset_path=str(path),
+        num_prompts=3,
+        custom_output_len=7,
+        skip_chat_template=True,
+    )
+    reqs = build_requests(cfg)
+    assert {r.prompt: (r.prompt_len, r.output_len) for r in reqs} == {
+        _words(3): (3, 5),
+        _words(2, 9): (2, 7),
+        _words(1, 50): (1, 7),
+    }
+    assert [r.prompt for r in build_requests(cfg)] == [r.prompt for r in reqs]
+    assert len(build_requests(cfg, 7)) == 7
+    # vLLM wraps custom prompts in the chat template for the completions API unless told not to.
+    demo = Path(nibble.__file__).parent / "assets" / "demo_tokenizer"
+    templated = build_requests(dataclasses.replace(cfg, tokenizer=str(demo), skip_chat_template=False))
+    demo_tok = load_tokenizer(demo)
+    for r in templated:
+        assert r.prompt.startswith("<|im_start|>user\n") and "<|im_start|>assistant" in r.prompt
+        assert r.prompt_len == len(demo_tok.encode(r.prompt).ids)
+    # A chat endpoint templates the messages itself.
+    chat = build_requests(
+        dataclasses.replace(cfg, tokenizer=str(demo), skip_chat_template=False, backend="openai-chat")
+    )
+    assert {r.prompt for r in chat} == {_words(3), _words(2, 9), _words(1, 50)}
+    with pytest.raises(BenchError, match=r"has none.*--skip-chat-template"):
+        build_requests(dataclasses.replace(cfg, skip_chat_template=False))
+
+
+def test_prefix_repetition_groups_and_seeds(word_tokenizer):
+    tok = load_tokenizer(word_tokenizer)
+    for as_ids in (False, True):
+        reqs = sample_prefix_repetition_requests(tok, 10, 6, 4, 3, 5, seed=2, as_token_ids=as_ids)
+        seqs = [r.prompt if as_ids else tok.encode(r.prompt, add_special_tokens=False).ids for r in reqs]
+        assert all(len(s) == 10 for s in seqs) and {(r.prompt_len, r.output_len) for r in reqs} == {(10, 5)}
+        groups = collections.Counter(tuple(s[:6]) for s in seqs)
+        assert sorted(groups.values()) == [3, 3, 4]  # 10 prompts spread over 3 prefixes
+        assert len({tuple(s) for s in seqs}) == 10
+    same = sample_prefix_repetition_requests(tok, 10, 6, 4, 3, 5, seed=2)
+    assert same == sample_prefix_repetition_requests(tok, 10, 6, 4, 3, 5, seed=2)
+    other = sample_prefix_repetition_requests(tok, 10, 6, 4, 3, 5, seed=3)
+    assert {r.prompt for r in other}.isdisjoint(r.prompt for r in same)
+    shared = sample_random_requests(tok, 5, 8, 3, range_ratio=0.5, prefix_len=4, seed=1)
+    assert len({tuple(r.prompt.split()[:4]) for r in shared}) == 1
+    assert all(len(r.prompt.split()) == r.prompt_len and 8 <= r.prompt_len <= 16 for r in shared)
+
+
+def test_shared_prefixes_encode_identically_with_qwen(qwen_tokenizer):
+    """Byte-level BPE can merge across the prefix/suffix boundary; a server's prefix cache needs equal ids."""
+    tok = qwen_tokenizer
+    reqs = sample_prefix_repetition_requests(tok, 7, 48, 16, 3, 4, seed=5)
+    seqs = [tok.encode(r.prompt, add_special_tokens=False).ids for r in reqs]
+    assert all(len(s) == 64 for s in seqs) and len({tuple(s[:48]) for s in seqs}) == 3
+    shared = sample_random_requests(tok, 4, 8, 4, prefix_len=24, seed=5)
+    seqs = [tok.encode(r.prompt, add_special_tokens=False).ids for r in shared]
+    assert all(len(s) == r.prompt_len == 32 for s, r in zip(seqs, shared)) and len({tuple(s[:24]) for s in seqs}) == 1
+
+
+def test_cli_prefix_repetition_run(serve, word_tokenizer, tmp_path, capsys):
+    server = serve(itl_s=0.001)
+    argv = [
+        "--base-url",
+        server.base_url,
+        "--tokenizer",
+        str(word_tokenizer),
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "6",
+        "--prefix-repetition-suffix-len",
+        "4",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "3",
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "2",
+        "--disable-tqdm",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "pr.json",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Dataset: prefix_repetition 2 prefixes x 6 tokens + 4-token suffixes, 3 out" in out
+    doc = json.loads((tmp_path / "pr.json").read_text())
+    assert (doc["completed"], doc["total_input_tokens"], doc["total_output_tokens"]) == (6, 60, 18)
+    assert doc["dataset"] == {
+        "name": "prefix_repetition",
+        "seed": 0,
+        "prefix_len": 6,
+        "suffix_len": 4,
+        "num_prefixes": 2,
+        "output_len": 3,
+        "shuffle": True,
+    }
+    prompts = [b["prompt"].split() for b in server.bodies[1:]]
+    assert sorted(collections.Counter(tuple(p[:6]) for p in prompts).values()) == [3, 3]
+    assert len({tuple(p) for p in prompts}) == 6 and all(b["max_tokens"] == 3 for b in server.bodies[1:])
+
+
+def _bad_files(tmp_path: Path) -> dict[str, Path]:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('[\n  {"conversations": [\n    {"from": "human", "value": "hi"},,\n  ]}\n]\n')
+    return {
+        "bad_json": bad_json,
+        "not_list": _write_jsonl(tmp_path / "obj.json", [{"conversations": []}]),
+        "no_value": _write_sharegpt(
+            tmp_path / "nv.json", [[_words(5), _words(5)], {"conversations": [{"value": "a"}, {"from": "gpt"}]}]
+        ),
+        "too_short": _write_sharegpt(tmp_path / "short.json", [[_words(2), _words(9)], [_words(9), _words(1)]]),
+        "no_turns": _write_sharegpt(tmp_path / "flat.json", [{"prompt": "hi"}]),
+        "jsonl_bad": _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "a"}, '{"prompt": "b"']),
+        "jsonl_no_prompt": _write_jsonl(tmp_path / "np.jsonl", [{"prompt": "a"}, "", {"text": "b"}]),
+        "jsonl_bad_out": _write_jsonl(tmp_path / "bo.jsonl", [{"prompt": "a", "output_tokens": 0}]),
+        "jsonl_ok": _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "rc", "message"),
+    [
+        (["--dataset-name", "sharegpt"], 2, "the sharegpt dataset reads a file: pass --dataset-path"),
+        (
+            ["--dataset-name", "custom", "--dataset-path", "{tmp}/missing.jsonl"],
+            2,
+            "{tmp}/missing.jsonl does not exist",
+        ),
+        (["--dataset-path", "{jsonl_ok}"], 2, "the random dataset is generated and reads no file"),
+        (["--dataset-name", "prefix_repetition", "--num-prompts", "3"], 2, "must be >= the number of prefixes (10)"),
+        (
+            ["--dataset-name", "sharegpt", "--dataset-path", "{bad_json}"],
+            1,
+            "{bad_json}: invalid JSON at line 3 column",
+        ),
+        (["--dataset-name", "sharegpt", "--dataset-path", "{not_list}"], 1, "expected a JSON list of conversations"),
+        (
+            ["--dataset-name", "sharegpt", "--dataset-path", "{no_value}"],
+            1,
+            'entry 1: conversations[1] has no string "value"',
+        ),
+        (["--dataset-name", "sharegpt", "--dataset-path", "{too_short}"], 1, "no usable conversations: none of its 2"),
+        (
+            ["--dataset-name", "sharegpt", "--dataset-path", "{no_turns}"],
+            1,
+            'no usable conversations: none of its 1 entries has a "conversations"',
+        ),
+        (["--dataset-name", "custom", "--dataset-path", "{jsonl_bad}"], 1, "{jsonl_bad}: line 2: invalid JSON"),
+        (["--dataset-name", "custom", "--dataset-path", "{jsonl_no_prompt}"], 1, 'line 3: no string "prompt" field'),
+        (
+            ["--dataset-name", "custom", "--dataset-path", "{jsonl_bad_out}"],
+            1,
+            '"output_tokens" must be an integer >= 1',
+        ),
+        (["--dataset-name", "custom", "--dataset-path", "{jsonl_ok}"], 1, "--skip-chat-template"),
+    ],
+)
+def test_cli_dataset_errors(word_tokenizer, tmp_path, capsys, argv, rc, message):
+    names = {k: str(v) for k, v in _bad_files(tmp_path).items()} | {"tmp": str(tmp_path)}
+    argv = [a.format(**names) for a in argv]
+    assert main(["--port", str(_free_port()), "--tokenizer", str(word_tokenizer), "--disable-tqdm", *argv]) == rc
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message.format(**names) in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -1,13 +1,19 @@
 """Prompt datasets for `nibble bench serve`.
 
-Only the `random` dataset exists: prompts made of random token ids, with lengths drawn around a target so
-that a run measures the server at a known input/output shape (the convention of `vllm bench serve` and
-`sglang.bench_serving`). A text prompt is re-encoded until it is exactly the requested number of tokens,
-so that the server processes the input length the report claims.
+The synthetic datasets live here; the file-based ones (`sharegpt`, `custom`) in `nibble.bench.datasets_files`.
+
+`random`: prompts made of random token ids, with lengths drawn around a target so that a run measures the
+server at a known input/output shape (the convention of `vllm bench serve` and `sglang.bench_serving`),
+optionally after a prefix shared by every prompt. `prefix_repetition`: a few random prefixes, each shared
+by several prompts that differ in a random suffix, to measure a server's prefix cache. A text prompt is
+re-encoded until it is exactly the requested number of tokens, so that the server processes the input
+length the report claims, and a shared prefix encodes to the same ids in every prompt, so that the server
+can reuse it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,26 +79,60 @@ def _candidate_ids(tokenizer: Tokenizer) -> np.ndarray:
 
 
 def _exact_text_prompt(
-    tokenizer: Tokenizer, rng: np.random.Generator, candidates: np.ndarray, target_len: int
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    candidates: np.ndarray,
+    target_len: int,
+    prefix_ids: Sequence[int] = (),
 ) -> tuple[str, list[int]]:
-    """Random text that encodes to exactly `target_len` tokens, and those tokens.
+    """Random text that encodes to `prefix_ids` followed by exactly `target_len` more tokens, and its ids.
 
     Decoding random ids and re-encoding the text rarely gives the same ids back (merges across token
     boundaries, partial UTF-8), so the re-encoded ids are trimmed or extended and the loop repeats until
-    the round trip is stable at the target length.
+    the round trip is stable at the target length. The prefix is decoded together with the rest (decoders
+    such as WordLevel's put separators between tokens), and a draw whose text changes the prefix's ids, by
+    merging across the boundary, is thrown away: a server's prefix cache matches ids, not text.
     """
+    prefix = list(prefix_ids)
     for _ in range(_MAX_RESTARTS):
         ids = rng.choice(candidates, size=target_len).tolist()
         for _ in range(_MAX_ADJUST_ROUNDS):
-            text = tokenizer.decode(ids, skip_special_tokens=False)
+            text = tokenizer.decode(prefix + ids, skip_special_tokens=False)
             encoded = tokenizer.encode(text, add_special_tokens=False).ids
-            if len(encoded) == target_len:
+            if encoded[: len(prefix)] != prefix:
+                break
+            rest = encoded[len(prefix) :]
+            if len(rest) == target_len:
                 return text, encoded
-            if len(encoded) > target_len:
-                ids = encoded[:target_len]
+            if len(rest) > target_len:
+                ids = rest[:target_len]
             else:
-                ids = encoded + rng.choice(candidates, size=target_len - len(encoded)).tolist()
-    raise DatasetError(f"could not build a text prompt of exactly {target_len} tokens with this tokenizer")
+                ids = rest + rng.choice(candidates, size=target_len - len(rest)).tolist()
+    what = f"{target_len} tokens after a {len(prefix)}-token prefix" if prefix else f"{target_len} tokens"
+    raise DatasetError(f"could not build a text prompt of exactly {what} with this tokenizer")
+
+
+def _random_prompt(
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    candidates: np.ndarray,
+    length: int,
+    prefix_ids: Sequence[int],
+    as_token_ids: bool,
+) -> str | list[int]:
+    """`prefix_ids` then `length` random tokens, as ids or as text that encodes to exactly those counts."""
+    if as_token_ids:
+        return list(prefix_ids) + rng.choice(candidates, size=length).tolist()
+    return _exact_text_prompt(tokenizer, rng, candidates, length, prefix_ids)[0]
+
+
+def _random_prefix(
+    tokenizer: Tokenizer, rng: np.random.Generator, candidates: np.ndarray, length: int, as_token_ids: bool
+) -> list[int]:
+    """Ids of a random prefix; as text prompts go, ids that survive a decode/encode round trip."""
+    if as_token_ids:
+        return rng.choice(candidates, size=length).tolist()
+    return _exact_text_prompt(tokenizer, rng, candidates, length)[1]
 
 
 def sample_random_requests(
@@ -103,26 +143,75 @@ def sample_random_requests(
     range_ratio: float = 0.0,
     seed: int = 0,
     as_token_ids: bool = False,
+    prefix_len: int = 0,
 ) -> list[SampleRequest]:
     """Build the `random` dataset.
 
     Input and output lengths are drawn with `sample_lengths`. With `as_token_ids` the prompt is the list of
     random ids itself (for servers whose completions API takes `prompt: list[int]`), otherwise text that
-    the tokenizer encodes (without special tokens) to exactly the drawn length.
+    the tokenizer encodes (without special tokens) to exactly the drawn length. `prefix_len` random tokens,
+    the same in every prompt, come first and add to the drawn length (vLLM's `--random-prefix-len`).
     """
     if num_prompts < 1:
         raise DatasetError(f"number of prompts must be >= 1, got {num_prompts}")
     if input_len < 1 or output_len < 1:
         raise DatasetError(f"input and output lengths must be >= 1, got {input_len} and {output_len}")
+    if prefix_len < 0:
+        raise DatasetError(f"prefix length must be >= 0, got {prefix_len}")
     rng = np.random.default_rng(seed)
     input_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
     output_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
     candidates = _candidate_ids(tokenizer)
+    # Drawn only when asked for, so that a seed gives the same prompts as before prefixes existed.
+    prefix = _random_prefix(tokenizer, rng, candidates, prefix_len, as_token_ids) if prefix_len else []
     requests = []
     for in_len, out_len in zip(input_lens.tolist(), output_lens.tolist()):
-        if as_token_ids:
-            prompt: str | list[int] = rng.choice(candidates, size=in_len).tolist()
-        else:
-            prompt, _ = _exact_text_prompt(tokenizer, rng, candidates, in_len)
-        requests.append(SampleRequest(prompt=prompt, prompt_len=in_len, output_len=out_len))
+        prompt = _random_prompt(tokenizer, rng, candidates, in_len, prefix, as_token_ids)
+        requests.append(SampleRequest(prompt=prompt, prompt_len=prefix_len + in_len, output_len=out_len))
+    return requests
+
+
+def sample_prefix_repetition_requests(
+    tokenizer: Tokenizer,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
+    as_token_ids: bool = False,
+    shuffle: bool = True,
+) -> list[SampleRequest]:
+    """Build the `prefix_repetition` dataset: `num_prefixes` random prefixes of `prefix_len` tokens, each
+    followed in its prompts by a fresh random suffix of `suffix_len` tokens; every request generates
+    `output_len` tokens.
+
+    The prompts are spread over the prefixes as evenly as possible, so exactly `num_prompts` come back
+    (vLLM gives each prefix num_prompts // num_prefixes and drops the remainder); with fewer prompts than
+    prefixes only the first prefixes are used. Shuffled, so that requests sharing a prefix interleave as
+    they would in real traffic, and a pass that takes the first N still sees several prefixes.
+    """
+    if num_prompts < 1:
+        raise DatasetError(f"number of prompts must be >= 1, got {num_prompts}")
+    if prefix_len < 1 or suffix_len < 0 or output_len < 1:
+        raise DatasetError(
+            f"prefix and output lengths must be >= 1 and the suffix length >= 0, got prefix {prefix_len}, "
+            f"suffix {suffix_len}, output {output_len}"
+        )
+    if num_prefixes < 1:
+        raise DatasetError(f"number of prefixes must be >= 1, got {num_prefixes}")
+    rng = np.random.default_rng(seed)
+    candidates = _candidate_ids(tokenizer)
+    base, extra = divmod(num_prompts, num_prefixes)
+    requests = []
+    for i in range(num_prefixes):
+        count = base + (1 if i < extra else 0)
+        if count == 0:
+            break
+        prefix = _random_prefix(tokenizer, rng, candidates, prefix_len, as_token_ids)
+        for _ in range(count):
+            prompt = _random_prompt(tokenizer, rng, candidates, suffix_len, prefix, as_token_ids)
+            requests.append(SampleRequest(prompt=prompt, prompt_len=prefix_len + suffix_len, output_len=output_len))
+    if shuffle:
+        requests = [requests[i] for i in rng.permutation(len(requests)).tolist()]
     return requests

@@ -157,9 +157,12 @@ def _row(label: str, value: float | int | str) -> str:
     return f"{label:<{_LABEL_WIDTH}}{text:>{_WIDTH - _LABEL_WIDTH}}"
 
 
-def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result") -> str:
-    """The result table printed after a pass, laid out like vLLM's so the numbers read the same way."""
+def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result", dataset: str | None = None) -> str:
+    """The result table printed after a pass, laid out like vLLM's so the numbers read the same way;
+    `dataset` (what the prompts were) heads it when given."""
     lines = [f" {title} ".center(_WIDTH, "=")]
+    if dataset:
+        lines.append(f"Dataset: {dataset}")
     lines.append(_row("Successful requests:", m.num_completed))
     lines.append(_row("Failed requests:", m.num_failed))
     if m.max_concurrency is not None:

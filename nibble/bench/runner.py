@@ -1,9 +1,10 @@
 """The engine of `nibble bench serve`: load generation against any OpenAI-compatible server.
 
-It follows the convention of `vllm bench serve` / `sglang.bench_serving`: a random dataset of fixed-length
-prompts, requests streamed with `ignore_eos` so every request generates exactly its output budget, load
-shaped by a concurrency cap and/or a Poisson arrival rate, and a report of throughput, TTFT, TPOT, ITL and
-end-to-end latency. `nibble.bench.serve` re-exports the public API next to the CLI glue.
+It follows the convention of `vllm bench serve` / `sglang.bench_serving`: a dataset of prompts (random
+fixed-length ones by default; also ShareGPT conversations, a custom JSONL file, or repeated prefixes that
+exercise a prefix cache), requests streamed with `ignore_eos` so every request generates exactly its output
+budget, load shaped by a concurrency cap and/or a Poisson arrival rate, and a report of throughput, TTFT,
+TPOT, ITL and end-to-end latency. `nibble.bench.serve` re-exports the public API next to the CLI glue.
 """
 
 from __future__ import annotations
@@ -31,8 +32,23 @@ from nibble.bench.backends import (
     join_url,
     send_request,
 )
-from nibble.bench.datasets import SampleRequest, load_tokenizer, sample_random_requests
+from nibble.bench.datasets import (
+    SampleRequest,
+    load_tokenizer,
+    sample_prefix_repetition_requests,
+    sample_random_requests,
+)
+from nibble.bench.datasets_files import (
+    load_chat_template,
+    load_custom,
+    load_sharegpt,
+    sample_custom_requests,
+    sample_sharegpt_requests,
+)
 from nibble.bench.metrics import BenchMetrics, RequestOutput, compute_metrics
+
+DATASETS = ("random", "sharegpt", "custom", "prefix_repetition")
+_FILE_DATASETS = ("sharegpt", "custom")
 
 
 class BenchError(RuntimeError):
@@ -50,10 +66,21 @@ class BenchServeConfig:
     api_key: str | None = None
     tokenizer: str | None = None
     dataset_name: str = "random"
+    dataset_path: str | None = None
     num_prompts: int = 1000
     random_input_len: int = 1024
     random_output_len: int = 128
     random_range_ratio: float = 0.0
+    random_prefix_len: int = 0
+    sharegpt_output_len: int | None = None
+    custom_output_len: int = 256
+    skip_chat_template: bool = False
+    prefix_repetition_prefix_len: int = 256
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
+    no_oversample: bool = False
+    disable_shuffle: bool = False
     prompt_token_ids: bool = False
     seed: int = 0
     ignore_eos: bool = True
@@ -77,16 +104,11 @@ class BenchServeConfig:
         problems = []
         if self.backend not in BACKEND_ENDPOINTS:
             problems.append(f"unknown backend {self.backend!r} (choose from {', '.join(BACKEND_ENDPOINTS)})")
-        if self.dataset_name != "random":
-            problems.append(f"unknown dataset {self.dataset_name!r} (only 'random' exists)")
+        problems += self._dataset_problems()
         if self.prompt_token_ids and self.backend == "openai-chat":
             problems.append("prompts as token ids need the completions API (--backend openai)")
         if self.num_prompts < 1:
             problems.append(f"number of prompts must be >= 1, got {self.num_prompts}")
-        if self.random_input_len < 1 or self.random_output_len < 1:
-            problems.append("random input and output lengths must be >= 1")
-        if not 0.0 <= self.random_range_ratio < 1.0:
-            problems.append(f"random range ratio must be in [0, 1), got {self.random_range_ratio}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             problems.append(f"max concurrency must be >= 1, got {self.max_concurrency}")
         if not self.request_rate > 0:
@@ -101,6 +123,103 @@ class BenchServeConfig:
             problems.append(f"request timeout must be > 0, got {self.request_timeout_s}")
         if problems:
             raise BenchError("; ".join(problems))
+
+    def _dataset_problems(self) -> list[str]:
+        name = self.dataset_name
+        if name not in DATASETS:
+            return [f"unknown dataset {name!r} (choose from {', '.join(DATASETS)})"]
+        problems = []
+        if name in _FILE_DATASETS and not self.dataset_path:
+            problems.append(f"the {name} dataset reads a file: pass --dataset-path")
+        if name not in _FILE_DATASETS and self.dataset_path:
+            problems.append(
+                f"the {name} dataset is generated and reads no file: drop --dataset-path, or pick "
+                f"--dataset-name {' or '.join(_FILE_DATASETS)}"
+            )
+        if self.random_input_len < 1 or self.random_output_len < 1:
+            problems.append("random input and output lengths must be >= 1")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            problems.append(f"random range ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.random_prefix_len < 0:
+            problems.append(f"random prefix length must be >= 0, got {self.random_prefix_len}")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            problems.append(f"ShareGPT output length must be >= 1, got {self.sharegpt_output_len}")
+        if self.custom_output_len < 1:
+            problems.append(f"custom output length must be >= 1, got {self.custom_output_len}")
+        if name == "prefix_repetition":
+            if self.prefix_repetition_prefix_len < 1 or self.prefix_repetition_output_len < 1:
+                problems.append("prefix-repetition prefix and output lengths must be >= 1")
+            if self.prefix_repetition_suffix_len < 0:
+                problems.append(
+                    f"prefix-repetition suffix length must be >= 0, got {self.prefix_repetition_suffix_len}"
+                )
+            if self.prefix_repetition_num_prefixes < 1:
+                problems.append("prefix-repetition number of prefixes must be >= 1")
+            elif self.num_prompts < self.prefix_repetition_num_prefixes:
+                problems.append(
+                    f"number of prompts ({self.num_prompts}) must be >= the number of prefixes "
+                    f"({self.prefix_repetition_num_prefixes})"
+                )
+        return problems
+
+    @property
+    def applies_chat_template(self) -> bool:
+        """Whether custom prompts are wrapped in the chat template here: only for the completions API (vLLM's
+        default); chat endpoints template the messages themselves, so wrapping would do it twice."""
+        return self.dataset_name == "custom" and self.backend == "openai" and not self.skip_chat_template
+
+    def dataset_params(self) -> dict[str, Any]:
+        """The dataset and the settings that shape it, for the result file."""
+        name = self.dataset_name
+        d: dict[str, Any] = {"name": name, "seed": self.seed}
+        if name == "random":
+            d.update(
+                input_len=self.random_input_len,
+                output_len=self.random_output_len,
+                range_ratio=self.random_range_ratio,
+                prefix_len=self.random_prefix_len,
+            )
+        elif name == "prefix_repetition":
+            d.update(
+                prefix_len=self.prefix_repetition_prefix_len,
+                suffix_len=self.prefix_repetition_suffix_len,
+                num_prefixes=self.prefix_repetition_num_prefixes,
+                output_len=self.prefix_repetition_output_len,
+                shuffle=not self.disable_shuffle,
+            )
+        else:
+            d.update(path=self.dataset_path, oversample=not self.no_oversample, shuffle=not self.disable_shuffle)
+            if name == "sharegpt":
+                d["output_len"] = self.sharegpt_output_len
+            else:
+                d["output_len"] = self.custom_output_len
+                d["chat_template"] = self.applies_chat_template
+        return d
+
+    def dataset_label(self) -> str:
+        """One line that says what the prompts are, for the console and plot titles."""
+        name = self.dataset_name
+        if name == "random":
+            label = f"random {self.random_input_len} in / {self.random_output_len} out"
+            if self.random_range_ratio:
+                label += f" (range ratio {self.random_range_ratio})"
+            if self.random_prefix_len:
+                label += f", {self.random_prefix_len}-token shared prefix"
+            return label
+        if name == "prefix_repetition":
+            return (
+                f"prefix_repetition {self.prefix_repetition_num_prefixes} prefixes x "
+                f"{self.prefix_repetition_prefix_len} tokens + {self.prefix_repetition_suffix_len}-token suffixes, "
+                f"{self.prefix_repetition_output_len} out"
+            )
+        if name == "sharegpt":
+            fixed = self.sharegpt_output_len
+            out = "output lengths from the replies" if fixed is None else f"{fixed} out"
+            return f"sharegpt {self.dataset_path} ({out})"
+        template = "chat template applied" if self.applies_chat_template else "no chat template"
+        if self.backend == "openai-chat":
+            template = "sent as user messages"
+        return f"custom {self.dataset_path} ({self.custom_output_len} out where a line sets none, {template})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe settings for the result file; the API key is never written out."""
@@ -130,6 +249,7 @@ class BenchResult:
             "backend": self.config.backend,
             "model_id": self.model,
             "num_prompts": len(self.outputs),
+            "dataset": self.config.dataset_params(),
             "config": self.config.to_dict(),
             **self.metrics.to_flat_dict(),
         }
@@ -146,7 +266,7 @@ class BenchResult:
 
 def _load_tokenizer(cfg: BenchServeConfig) -> Tokenizer:
     if not cfg.tokenizer:
-        raise BenchError("the random dataset needs a tokenizer: pass --tokenizer or --model-path")
+        raise BenchError(f"the {cfg.dataset_name} dataset needs a tokenizer: pass --tokenizer or --model-path")
     try:
         return load_tokenizer(cfg.tokenizer)
     except ValueError as e:
@@ -156,16 +276,62 @@ def _load_tokenizer(cfg: BenchServeConfig) -> Tokenizer:
 def build_requests(
     cfg: BenchServeConfig, num_prompts: int | None = None, tokenizer: Tokenizer | None = None
 ) -> list[SampleRequest]:
-    """The dataset `cfg` describes (`num_prompts` overrides its count; `tokenizer` saves reloading it)."""
+    """The dataset `cfg` describes (`num_prompts` overrides its count; `tokenizer` saves reloading it).
+
+    File datasets may come back shorter than asked when `cfg.no_oversample` is set.
+    """
+    tok = tokenizer or _load_tokenizer(cfg)
+    num = num_prompts or cfg.num_prompts
+    shuffle = not cfg.disable_shuffle
+    oversample = not cfg.no_oversample
     try:
+        if cfg.dataset_name == "sharegpt":
+            return sample_sharegpt_requests(
+                load_sharegpt(cfg.dataset_path or ""),
+                tok,
+                num,
+                seed=cfg.seed,
+                output_len=cfg.sharegpt_output_len,
+                oversample=oversample,
+                shuffle=shuffle,
+                as_token_ids=cfg.prompt_token_ids,
+            )
+        if cfg.dataset_name == "custom":
+            # The file first: a broken line is the more basic problem than a missing template.
+            data = load_custom(cfg.dataset_path or "")
+            template = load_chat_template(cfg.tokenizer or "") if cfg.applies_chat_template else None
+            return sample_custom_requests(
+                data,
+                tok,
+                num,
+                output_len=cfg.custom_output_len,
+                seed=cfg.seed,
+                chat_template=template,
+                oversample=oversample,
+                shuffle=shuffle,
+                as_token_ids=cfg.prompt_token_ids,
+            )
+        if cfg.dataset_name == "prefix_repetition":
+            return sample_prefix_repetition_requests(
+                tok,
+                num,
+                prefix_len=cfg.prefix_repetition_prefix_len,
+                suffix_len=cfg.prefix_repetition_suffix_len,
+                num_prefixes=cfg.prefix_repetition_num_prefixes,
+                output_len=cfg.prefix_repetition_output_len,
+                seed=cfg.seed,
+                as_token_ids=cfg.prompt_token_ids,
+                shuffle=shuffle,
+            )
         return sample_random_requests(
-            tokenizer or _load_tokenizer(cfg),
-            num_prompts=num_prompts or cfg.num_prompts,
+            tok,
+            num_prompts=num,
             input_len=cfg.random_input_len,
             output_len=cfg.random_output_len,
             range_ratio=cfg.random_range_ratio,
             seed=cfg.seed,
             as_token_ids=cfg.prompt_token_ids,
+            prefix_len=cfg.random_prefix_len,
         )
     except ValueError as e:
         raise BenchError(str(e)) from e
@@ -301,7 +467,9 @@ async def _run_passes(
         needed = max(n for _, n in passes)
         pool = list(requests) if requests is not None else build_requests(cfg, needed, tokenizer)
         results = []
-        for concurrency, num_prompts in passes:
+        for concurrency, wanted in passes:
+            # Without oversampling a short file dataset is sent once, as it is, rather than cycled.
+            num_prompts = min(wanted, len(pool)) if cfg.no_oversample else wanted
             # A sweep reuses the dataset's first prompts so every pass sees the same shapes.
             batch = [pool[i % len(pool)] for i in range(num_prompts)]
             await session.warm_up(batch, concurrency)

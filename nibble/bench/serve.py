@@ -7,6 +7,10 @@ Example:
     nibble bench serve --base-url http://127.0.0.1:8000 --tokenizer /models/Qwen3.5-122B-A10B-NVFP4 \\
         --random-input-len 1000 --random-output-len 1000 --concurrency-sweep 1,8,32,128 \\
         --prompts-per-concurrency 4 --save-result --plot sweep.png
+
+Other workloads: `--dataset-name sharegpt --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json`,
+`--dataset-name custom --dataset-path prompts.jsonl`, `--dataset-name prefix_repetition` (shared prefixes,
+for the prefix cache), or `--random-prefix-len N` (one prefix before every random prompt).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from nibble.bench.backends import BACKEND_ENDPOINTS
 from nibble.bench.metrics import format_metrics, format_sweep
 from nibble.bench.runner import (
+    DATASETS,
     BenchError,
     BenchResult,
     BenchServeConfig,
@@ -73,7 +78,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=["random"], default="random")
+    data.add_argument(
+        "--dataset-name",
+        choices=list(DATASETS),
+        default="random",
+        help="random: random tokens; sharegpt / custom: prompts from --dataset-path; prefix_repetition: "
+        "random prompts sharing a few prefixes",
+    )
+    data.add_argument(
+        "--dataset-path",
+        default=None,
+        help="sharegpt: JSON list of conversations; custom: JSON lines with 'prompt' (and optional 'output_tokens')",
+    )
     data.add_argument(
         "--tokenizer",
         default=None,
@@ -91,9 +107,58 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="lengths drawn uniformly in [len*(1-r), len*(1+r)]; 0 = fixed lengths",
     )
     data.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="random tokens shared by every random prompt, before (and on top of) its --random-input-len",
+    )
+    data.add_argument(
         "--prompt-token-ids", action="store_true", help="send prompts as token-id lists (completions API only)"
     )
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="seeds the dataset's sampling and shuffling")
+    data.add_argument(
+        "--no-oversample",
+        action="store_true",
+        help="sharegpt/custom: send the usable prompts once when fewer than --num-prompts (default: repeat some)",
+    )
+    data.add_argument(
+        "--disable-shuffle", action="store_true", help="take file prompts in file order, prefix groups in order"
+    )
+
+    files = parser.add_argument_group("sharegpt and custom datasets")
+    files.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="tokens to generate per ShareGPT request (default: the token length of the conversation's reply)",
+    )
+    files.add_argument(
+        "--custom-output-len",
+        type=int,
+        default=256,
+        help="tokens to generate per custom request; a line's 'output_tokens' overrides it",
+    )
+    files.add_argument(
+        "--skip-chat-template",
+        "--custom-skip-chat-template",
+        dest="skip_chat_template",
+        action="store_true",
+        help="custom, --backend openai: send prompts as they are instead of wrapped in the model's chat "
+        "template (openai-chat never wraps them: the server does)",
+    )
+
+    prefix = parser.add_argument_group("prefix_repetition dataset")
+    prefix.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    prefix.add_argument(
+        "--prefix-repetition-suffix-len", type=int, default=256, help="random tokens after the prefix, per prompt"
+    )
+    prefix.add_argument(
+        "--prefix-repetition-num-prefixes",
+        type=int,
+        default=10,
+        help="distinct prefixes; --num-prompts are spread evenly over them",
+    )
+    prefix.add_argument("--prefix-repetition-output-len", type=int, default=128, help="tokens to generate per request")
 
     req = parser.add_argument_group("requests")
     req.add_argument(
@@ -179,9 +244,12 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
     percentiles = tuple(_parse_number_list(args.percentiles, "--percentiles", float))
     tokenizer = _tokenizer_path(args)
     if tokenizer is None:
-        raise BenchError("the random dataset needs a tokenizer: pass --tokenizer or --model-path")
+        raise BenchError(f"the {args.dataset_name} dataset needs a tokenizer: pass --tokenizer or --model-path")
     if not Path(tokenizer).exists():
         raise BenchError(f"tokenizer path {tokenizer} does not exist")
+    if args.dataset_path and not Path(args.dataset_path).is_file():
+        what = "is not a file" if Path(args.dataset_path).exists() else "does not exist"
+        raise BenchError(f"dataset file {args.dataset_path} {what}")
     cfg = BenchServeConfig(
         base_url=args.base_url or f"http://{args.host}:{args.port}",
         backend=args.backend,
@@ -190,10 +258,21 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
         tokenizer=tokenizer,
         dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path,
         num_prompts=args.num_prompts,
         random_input_len=args.random_input_len,
         random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len,
+        sharegpt_output_len=args.sharegpt_output_len,
+        custom_output_len=args.custom_output_len,
+        skip_chat_template=args.skip_chat_template,
+        prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
+        prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
+        prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
+        prefix_repetition_output_len=args.prefix_repetition_output_len,
+        no_oversample=args.no_oversample,
+        disable_shuffle=args.disable_shuffle,
         prompt_token_ids=args.prompt_token_ids,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
@@ -240,6 +319,7 @@ def _write_outputs(args: argparse.Namespace, results: list[BenchResult], sweep: 
                 "date": rows[0]["date"],
                 "backend": rows[0]["backend"],
                 "model_id": rows[0]["model_id"],
+                "dataset": rows[0]["dataset"],
                 "runs": rows,
             }
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +331,7 @@ def _write_outputs(args: argparse.Namespace, results: list[BenchResult], sweep: 
 
         first = results[0]
         label = f"{_slug(first.model)} ({first.config.backend})"
-        title = f"{first.model}: random {first.config.random_input_len} in / {first.config.random_output_len} out"
+        title = f"{first.model}: {first.config.dataset_label()}"
         try:
             written = plot_sweep({label: rows}, plot_path, title=title)
         except ImportError as e:
@@ -274,23 +354,22 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        print(
-            f"benchmarking {cfg.url} ({cfg.backend}), random {cfg.random_input_len} in / {cfg.random_output_len} out",
-            flush=True,
-        )
+        dataset = cfg.dataset_label()
+        print(f"benchmarking {cfg.url} ({cfg.backend}), {dataset}", flush=True)
         if sweep:
             results = asyncio.run(
                 run_sweep(
                     cfg,
                     sweep,
                     args.prompts_per_concurrency,
-                    on_result=lambda r: print(format_metrics(r.metrics), flush=True),
+                    on_result=lambda r: print(format_metrics(r.metrics, dataset=dataset), flush=True),
                 )
             )
+            print(f"dataset: {dataset}")
             print(format_sweep([(r.config.max_concurrency or 0, r.metrics) for r in results]))
         else:
             results = [asyncio.run(run_benchmark(cfg))]
-            print(format_metrics(results[0].metrics))
+            print(format_metrics(results[0].metrics, dataset=dataset))
         _write_outputs(args, results, sweep is not None)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
