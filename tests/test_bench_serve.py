@@ -680,3 +680,31 @@ def test_cli_dataset_errors(word_tokenizer, tmp_path, capsys, argv, rc, message)
     err = capsys.readouterr().err
     assert err.startswith("error:") and message.format(**names) in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_prefix_repetition_against_nibble_reports_cache_hits(tmp_path, capsys):
+    """A real nibble server (the demo model on the CPU) serves prefix_repetition's shared prefixes from its
+    prefix cache, and the bench reports the hit tokens from the responses' usage."""
+    from nibble.engine.async_engine import AsyncEngine
+    from nibble.engine.config import EngineConfig
+    from tests.helpers.server import start_server
+
+    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu", max_model_len=512, max_num_seqs=4))
+    handle = start_server(engine)
+    try:
+        tokenizer = Path(nibble.__file__).parent / "assets" / "demo_tokenizer"
+        argv = ["--base-url", handle.url, "--tokenizer", str(tokenizer),
+                "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "320",
+                "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
+                "--prefix-repetition-output-len", "2", "--num-prompts", "6", "--max-concurrency", "1",
+                "--disable-tqdm", "--result-dir", str(tmp_path), "--result-filename", "nibble.json"]
+        assert main(argv) == 0
+    finally:
+        handle.stop()
+        engine.shutdown()
+    doc = json.loads((tmp_path / "nibble.json").read_text())
+    assert doc["completed"] == 6 and doc["failed"] == 0
+    # one request at a time: the second prompt of a group finds the shared prefix (nibble caches prefixes of
+    # 256 tokens or more) and computes it once more, the third starts from it
+    assert doc["total_cached_tokens"] >= 2 * 320, doc["total_cached_tokens"]
+    assert "Prefix-cache hit tokens:" in capsys.readouterr().out

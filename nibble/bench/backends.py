@@ -210,6 +210,9 @@ async def send_request(session: aiohttp.ClientSession, settings: RequestSettings
     out.output_tokens = int(completion_tokens) if completion_tokens is not None else state.num_chunks
     if prompt_tokens is not None:
         out.prompt_len = int(prompt_tokens)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(cached, int):
+        out.cached_tokens = cached
     out.ttft = state.ttft
     out.itl = state.itl
     out.success = True

@@ -28,6 +28,9 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     start_time: float = 0.0
     error: str = ""
+    # prompt tokens the server served from its prefix cache (usage.prompt_tokens_details.cached_tokens);
+    # None when the server does not say
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class BenchMetrics:
     total_token_throughput: float
     max_concurrency: int | None
     peak_concurrent_requests: int
+    # prompt tokens served from the server's prefix cache, summed over the requests whose usage reports them
+    # (None when none does)
+    total_cached_tokens: int | None
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
@@ -92,6 +98,7 @@ class BenchMetrics:
             "total_token_throughput": self.total_token_throughput,
             "max_concurrency": self.max_concurrency,
             "peak_concurrent_requests": self.peak_concurrent_requests,
+            "total_cached_tokens": self.total_cached_tokens,
         }
         for name in ("ttft", "tpot", "itl", "e2el"):
             dist: Distribution = getattr(self, name)
@@ -122,6 +129,7 @@ def compute_metrics(
     # A request with one output token has no decode phase, so it has no TPOT.
     tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     itls = [gap for o in ok for gap in o.itl]
+    cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
     safe_duration = duration if duration > 0 else float("inf")
     return BenchMetrics(
         num_completed=len(ok),
@@ -135,6 +143,7 @@ def compute_metrics(
         total_token_throughput=(total_in + total_out) / safe_duration,
         max_concurrency=max_concurrency,
         peak_concurrent_requests=peak_concurrent_requests,
+        total_cached_tokens=sum(cached) if cached else None,
         ttft=Distribution.of([o.ttft for o in ok], percentiles),
         tpot=Distribution.of(tpots, percentiles),
         itl=Distribution.of(itls, percentiles),
@@ -171,6 +180,9 @@ def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result", dat
         _row("Peak concurrent requests:", m.peak_concurrent_requests),
         _row("Benchmark duration (s):", m.duration),
         _row("Total input tokens:", m.total_input_tokens),
+        *([_row("Prefix-cache hit tokens:", f"{m.total_cached_tokens} "
+                f"({100 * m.total_cached_tokens / max(m.total_input_tokens, 1):.1f}%)")]
+          if m.total_cached_tokens is not None else []),
         _row("Total generated tokens:", m.total_output_tokens),
         _row("Request throughput (req/s):", m.request_throughput),
         _row("Output token throughput (tok/s):", m.output_throughput),
