@@ -3,6 +3,10 @@
 Engine-wide numbers (queue lengths, KV-cache usage, token totals) are read from `engine.stats()` at
 scrape time, so they are always current and cost nothing per step. Per-request numbers (finish reasons,
 latencies) are recorded by the serving code when each engine request ends.
+
+The metrics that vLLM also has are exposed a second time under vLLM's names (`vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`, ...; same meaning, labels and buckets), so that
+dashboards, alerts and autoscalers written for vLLM work against nibble unchanged.
 """
 
 from __future__ import annotations
@@ -70,6 +74,33 @@ class _EngineCollector(Collector):
         yield steps
 
 
+# nibble's metrics that vLLM has under the same name with its `vllm:` prefix
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "request_success", "time_to_first_token_seconds",
+    "time_per_output_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+    "request_generation_tokens",
+})
+
+
+class _VllmNames(Collector):
+    """The families of `source` named in VLLM_NAMES again, renamed `nibble:x` -> `vllm:x` (samples too)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            base = family.name.removeprefix("nibble:")
+            if base == family.name or base not in VLLM_NAMES:
+                continue
+            alias = Metric(f"vllm:{base}", family.documentation, family.type, family.unit)
+            alias.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("nibble:"))
+                             for sample in family.samples]
+            yield alias
+
+
 class ServerMetrics:
     """The metrics of one app. `observe_request` records one finished (or aborted) engine request."""
 
@@ -104,6 +135,8 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for hist in (self.ttft, self.tpot, self.e2e, self.prompt_len, self.output_len):
             hist.labels(model_name)
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(_VllmNames(self.registry))
 
     def observe_request(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                         arrival_time: float | None, first_token_time: float | None, end_time: float) -> None:
@@ -124,4 +157,4 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry), CONTENT_TYPE_LATEST

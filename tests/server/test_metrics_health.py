@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from nibble import __version__
 from nibble.server.api_server import build_app
+from nibble.server.metrics import VLLM_NAMES
 
 from .conftest import ServerHandle, metric_value
 
@@ -70,3 +72,18 @@ def test_metrics_count_requests(http: httpx.Client, server: ServerHandle) -> Non
 def test_metrics_registry_is_per_app(server: ServerHandle) -> None:
     a, b = build_app(server.engine), build_app(server.engine)
     assert a.state.metrics.registry is not b.state.metrics.registry
+
+
+def test_vllm_names_mirror_the_nibble_series(http: httpx.Client) -> None:
+    """Every metric vLLM also has is exposed under its vLLM name with the same samples (labels, buckets,
+    values), for dashboards and autoscalers written for vLLM; nibble-only metrics are not."""
+    http.post("/v1/completions", json={"prompt": "mirror", "max_tokens": 3, "ignore_eos": True})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for base in VLLM_NAMES:
+        ours, theirs = families[f"nibble:{base}"], families[f"vllm:{base}"]
+        assert theirs.type == ours.type and theirs.documentation == ours.documentation
+        assert [(s.name.removeprefix("vllm:"), s.labels, s.value) for s in theirs.samples] == \
+            [(s.name.removeprefix("nibble:"), s.labels, s.value) for s in ours.samples]
+    assert "vllm:model_steps" not in families and "vllm:http_errors" not in families
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_success"):
+        assert name in families
