@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+from nibble.server.compat_args import HF_OVERRIDES_HELP, hf_overrides_arg
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
@@ -52,6 +54,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="draft tokens per step from the model's MTP head (speculative decoding; default: 0 = off)")
+    p.add_argument("--hf-overrides", type=hf_overrides_arg, default=None, metavar="JSON", help=HF_OVERRIDES_HELP)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -69,7 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        num_speculative_tokens=args.num_speculative_tokens)
+        num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

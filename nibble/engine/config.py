@@ -111,6 +111,9 @@ class EngineConfig:
     # the most logprobs / top_logprobs / prompt_logprobs one request may ask for (vLLM's --max-logprobs);
     # -1: no cap but the vocabulary size
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # vLLM's --hf-overrides: config.json fields deep-merged into the checkpoint's before it is read (every rank
+    # alike), e.g. {"text_config": {"rope_parameters": {"rope_type": "yarn", ...}}} for YaRN long context
+    hf_overrides: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +176,8 @@ class EngineConfig:
             object.__setattr__(self, "quantization", None if method in ("", "none") else method)
         check(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
               f"--max-logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
+        check(self.hf_overrides is None or isinstance(self.hf_overrides, dict),
+              f"--hf-overrides must be a JSON object of config.json fields, got {self.hf_overrides!r}")
 
     @property
     def speculative(self) -> bool:

@@ -6,7 +6,6 @@ holds a vision tower (under tensor parallelism: on rank 0)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 from nibble.engine.media import MediaPolicy, is_fetched_url, resolve_image_sources, shorten_url
 from nibble.engine.request import Request
+from nibble.models.config import read_config_json
 from nibble.models.mrope import MRopeParams, mrope_positions
 from nibble.models.multimodal import (
     ImageInputs,
@@ -58,11 +58,12 @@ class ImageRequests:
     prompt's special tokens) and the media policy. Every method raises ValueError with the reason (the engine
     answers RequestError)."""
 
-    def __init__(self, model_dir: str | Path, patch_dim: int, policy: MediaPolicy) -> None:
-        self.mrope = MRopeParams.from_model_dir(model_dir)
+    def __init__(self, model_dir: str | Path, patch_dim: int, policy: MediaPolicy,
+                 hf_overrides: dict[str, Any] | None = None) -> None:
+        raw = read_config_json(model_dir, hf_overrides)
+        self.mrope = MRopeParams.from_config_dict(raw)
         self.processor = ImageProcessorParams.from_model_dir(model_dir)
         self.video_processor = VideoProcessorParams.from_model_dir(model_dir)
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
         self.vision_start_id: int | None = raw.get("vision_start_token_id")
         self.vision_end_id: int | None = raw.get("vision_end_token_id")
         self.patch_dim = patch_dim

@@ -73,12 +73,31 @@ class _Launched:
     logits: torch.Tensor | None = None
 
 
+def check_max_model_len(requested: int | None, model_config: ModelConfig) -> int:
+    """The engine's context length: `requested` (--max-model-len), or the model's (at most
+    DEFAULT_MAX_MODEL_LEN) when None. RequestError when it exceeds what the model's positions cover
+    (max_position_embeddings, or with RoPE scaling what it extends them to, as vLLM derives it)."""
+    limit = model_config.max_context_len
+    if requested is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if requested > limit:
+        scaling = model_config.rope_scaling
+        if scaling is None:
+            reason = (f"max_position_embeddings {limit}; to go further enable YaRN RoPE scaling (rope_type 'yarn' in "
+                      "rope_parameters, e.g. with --hf-overrides)")
+        else:
+            reason = (f"context length {limit} ({scaling.rope_type} RoPE scaling: "
+                      f"{scaling.original_max_position_embeddings} x factor {scaling.factor:g})")
+        raise RequestError(f"--max-model-len {requested} exceeds the model's {reason}")
+    return requested
+
+
 class LLMEngine(VisionPrompts):
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
         self.model_dir = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir, config.hf_overrides)
         try:
             check_quantization(config.quantization, self.model_config.quant, self.model_dir)
         except QuantConfigError as exc:
@@ -108,10 +127,7 @@ class LLMEngine(VisionPrompts):
             raise EngineConfigError(f"the request defaults of the generation config (--generation-config "
                                     f"{config.generation_config}, --override-generation-config) are invalid: {exc}") \
                 from None
-        max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if max_model_len > self.model_config.max_position_embeddings:
-            raise RequestError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-                               f"{self.model_config.max_position_embeddings}")
+        max_model_len = check_max_model_len(config.max_model_len, self.model_config)
         if config.speculative and self.model_config.mtp_num_hidden_layers < 1:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: mtp_num_hidden_layers is 0, the model has "
                                     "no MTP head to draft with; drop --num-speculative-tokens")
@@ -137,7 +153,8 @@ class LLMEngine(VisionPrompts):
             raise
         # image and video input: only with a vision tower (under tensor parallelism on rank 0, this process)
         visual = getattr(self.model, "visual", None)
-        self.images = (ImageRequests(self.model_dir, visual.config.patch_dim, config.media_policy)
+        self.images = (ImageRequests(self.model_dir, visual.config.patch_dim, config.media_policy,
+                                     config.hf_overrides)
                        if visual is not None else None)
         self.runner.mrope = self.mrope
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,

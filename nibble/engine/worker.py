@@ -45,7 +45,7 @@ def run_worker(spec: WorkerSpec) -> None:
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False)
     mark_ready(store, spec.rank)
     parallel = init_process_group(config, spec.rank, store)
-    model_config = ModelConfig.from_pretrained(spec.model_dir)
+    model_config = ModelConfig.from_pretrained(spec.model_dir, config.hf_overrides)
     kernels, _ = select_engine_kernels(config, model_config)
     model = load_model(spec.model_dir, model_config, kernels, dtype=config.torch_dtype, device=device,
                        load_format=config.load_format,
@@ -56,7 +56,7 @@ def run_worker(spec: WorkerSpec) -> None:
                          recv_tokens=channel.recv_tokens)
     if has_vision_config(spec.model_dir):
         # rank 0 alone runs the vision tower; image steps reach this rank with its rows and 3-D positions
-        runner.mrope = MRopeParams.from_model_dir(spec.model_dir)
+        runner.mrope = MRopeParams.from_model_dir(spec.model_dir, config.hf_overrides)
     mark_serving(store, spec.rank)
     logger.info("rank %d ready on %s", spec.rank, device)
     while (step := channel.recv()) is not None:

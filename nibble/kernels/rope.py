@@ -6,15 +6,40 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.models.config import RopeScaling
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """fp32 [rotary_dim / 2] inverse frequencies, scaled as `scaling` says (None: plain RoPE).
+
+    The same fp32 operations, in the same order, as transformers' default, linear and YaRN rope init
+    functions, so that the tables agree bit for bit."""
+    if scaling is None:
+        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).to(dtype=torch.float32) / rotary_dim)
+    if scaling.rope_type == "linear":
+        return 1.0 / pos_freqs / scaling.factor
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (scaling.factor * pos_freqs)
+    low, high = scaling.correction_range(rotary_dim, theta)
+    if low == high:
+        high += 0.001  # a one-index ramp would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency as pretrained (short wavelengths), 0: divided by factor
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def build_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float,
-                        device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 [max_positions, rotary_dim]: cos of the rotary_dim/2 frequencies, then their sin."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+                        device: torch.device | str = "cpu", scaling: RopeScaling | None = None) -> torch.Tensor:
+    """fp32 [max_positions, rotary_dim]: cos of the rotary_dim/2 frequencies, then their sin; with `scaling`,
+    the frequencies of `rope_inv_freq` and both halves times its attention_scaling."""
+    inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if scaling is not None and scaling.rope_type == "yarn":
+        table = table * scaling.attention_scaling
+    return table.to(device)
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -151,7 +151,7 @@ def test_gated_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
 def test_rope(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     t, max_pos = 19, 4096
-    cache = build_cos_sin_cache(c.rotary_dim, max_pos, c.rope_theta, ctx.device)
+    cache = build_cos_sin_cache(c.rotary_dim, max_pos, c.rope_theta, ctx.device, scaling=c.rope_scaling)
     pos = (ctx.rand(t) * max_pos).long().clamp_max(max_pos - 1)
     # q as the model sees it: a strided view of the fused [query | gate] projection
     q_full = ctx.randn(t, c.num_attention_heads, 2 * c.head_dim)

@@ -7,16 +7,19 @@ from torch import nn
 
 from nibble.kernels.kernel_set import KernelSet
 from nibble.kernels.rope import build_cos_sin_cache
+from nibble.models.config import RopeScaling
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the fp32 cos/sin table [max_positions, rotary_dim] and applies it to q [T, Hq, D], k [T, Hk, D]."""
+    """Holds the fp32 cos/sin table [max_positions, rotary_dim] (frequencies scaled as `scaling` says, e.g.
+    YaRN) and applies it to q [T, Hq, D], k [T, Hk, D]."""
 
     def __init__(self, rotary_dim: int, max_positions: int, theta: float, kernels: KernelSet,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.kernels = kernels
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, theta, device),
+        self.register_buffer("cos_sin_cache",
+                             build_cos_sin_cache(rotary_dim, max_positions, theta, device, scaling=scaling),
                              persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

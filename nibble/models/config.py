@@ -8,6 +8,7 @@ settings sit under `text_config` and whose tensors are prefixed `model.language_
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,183 @@ def _require(d: dict[str, Any], key: str, path: str) -> Any:
     if key not in d:
         raise ConfigError(f"{path}: missing field '{key}'")
     return d[key]
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `overrides` applied: objects present in both are merged key by key, recursively;
+    any other value of `overrides` replaces `base`'s. Neither argument is modified."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_hf_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json's dict with vLLM's `--hf-overrides` deep-merged into it.
+
+    The overrides usually target the published multimodal layout (`{"text_config": {"rope_parameters": ...}}`);
+    on a text-only config.json, whose text settings sit at the top level, a `text_config` object is merged
+    there instead, so the same command line serves both layouts.
+    """
+    if not overrides:
+        return raw
+    if "text_config" not in raw and isinstance(overrides.get("text_config"), dict):
+        rest = {k: v for k, v in overrides.items() if k != "text_config"}
+        return deep_merge(deep_merge(raw, overrides["text_config"]), rest)
+    return deep_merge(raw, overrides)
+
+
+def parse_hf_overrides(text: str) -> dict[str, Any]:
+    """vLLM's `--hf-overrides` JSON text as a dict; ValueError naming the flag unless it is a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hf-overrides is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--hf-overrides takes a JSON object of config.json fields, e.g. "
+                         f"'{{\"text_config\": {{\"rope_parameters\": {{...}}}}}}', got {text!r}")
+    return value
+
+
+def read_config_json(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of a checkpoint directory as a dict, `overrides` (--hf-overrides) applied."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return apply_hf_overrides(raw, overrides)
+
+
+# the rope_type values that describe plain RoPE (mrope: the 3-D positions, which leave the frequencies as they are)
+_UNSCALED_ROPE_TYPES = ("default", "mrope")
+SCALED_ROPE_TYPES = ("yarn", "linear")
+
+
+def _number(rope: dict[str, Any], key: str, where: str, *, minimum: float | None = None,
+            default: float | None = None) -> float | None:
+    """rope[key] as a float (`default` when absent or null); ConfigError naming the field (`where`.key)
+    otherwise."""
+    value = rope.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}.{key} must be a number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}.{key} must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for contexts longer than pretraining's (config.json `rope_parameters`), the way
+    transformers' `_compute_yarn_parameters` / `_compute_linear_scaling_rope_parameters` compute it.
+
+    "yarn" (https://arxiv.org/abs/2309.00071): frequencies whose wavelength is short next to
+    `original_max_position_embeddings` are kept, long ones divided by `factor`, a linear ramp between the
+    dimensions that make `beta_fast` and `beta_slow` rotations over it; cos and sin are multiplied by
+    `attention_scaling`. "linear": every frequency divided by `factor`. The tensors are built by
+    nibble.kernels.rope.rope_inv_freq.
+    """
+
+    rope_type: str
+    factor: float
+    # the pretraining context length (linear: max_position_embeddings)
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # None: derived from factor (and mscale / mscale_all_dim when both are set), see attention_scaling
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 for linear)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        # transformers tests truthiness: a zero mscale falls back to the factor-only formula too
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return get_mscale(self.factor)
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context the scaled frequencies are meant for, as vLLM derives it: the unscaled length
+        times factor."""
+        return int(self.original_max_position_embeddings * self.factor)
+
+    def correction_range(self, rotary_dim: int, theta: float) -> tuple[float, float]:
+        """YaRN's (low, high) frequency indices: below low the frequencies are kept, above high divided by
+        factor, linearly mixed between."""
+        def correction_dim(num_rotations: float) -> float:
+            return (rotary_dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                    / (2 * math.log(theta)))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, rotary_dim - 1)
+
+    @classmethod
+    def from_rope_parameters(cls, rope: dict[str, Any], text: dict[str, Any], where: str) -> RopeScaling | None:
+        """The scaling `rope` (a text config's rope_parameters, or legacy rope_scaling) asks for; None for plain
+        RoPE. `text` is the text config, for max_position_embeddings and a top-level
+        original_max_position_embeddings (which transformers prefers to rope's). `where` names `rope` in
+        errors (e.g. "config.json (text_config): rope_parameters"); ConfigError naming a bad field."""
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in _UNSCALED_ROPE_TYPES:
+            return None
+        if rope_type not in SCALED_ROPE_TYPES:
+            raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (nibble serves "
+                              f"{', '.join(_UNSCALED_ROPE_TYPES + SCALED_ROPE_TYPES)})")
+        if "factor" not in rope:
+            raise ConfigError(f"{where}: missing field 'factor' (required with rope_type '{rope_type}')")
+        max_pos = int(text.get("max_position_embeddings", 32768))
+        if rope_type == "linear":
+            factor = _number(rope, "factor", where, minimum=1.0)
+            if factor is None:
+                raise ConfigError(f"{where}.factor must be a number >= 1, got null")
+            return cls("linear", factor, max_pos)
+        original = text.get("original_max_position_embeddings",
+                            rope.get("original_max_position_embeddings", max_pos))
+        if isinstance(original, float) and original.is_integer():
+            original = int(original)
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ConfigError(f"{where}.original_max_position_embeddings must be a positive integer, "
+                              f"got {original!r}")
+        # a null factor is the ratio of the two lengths (DeepSeek-V3's convention, as transformers has it)
+        factor = _number(rope, "factor", where, minimum=1.0, default=max_pos / original)
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"{where}.truncate must be true or false, got {truncate!r}")
+        # transformers reads `get(...) or default`: 0 and null both mean the default
+        beta_fast = _number(rope, "beta_fast", where) or 32.0
+        beta_slow = _number(rope, "beta_slow", where) or 1.0
+        if beta_fast < beta_slow:
+            raise ConfigError(f"{where}.beta_fast {beta_fast:g} must be >= beta_slow {beta_slow:g}")
+        attention_factor = _number(rope, "attention_factor", where)
+        if attention_factor is not None and attention_factor <= 0:
+            raise ConfigError(f"{where}.attention_factor must be > 0, got {attention_factor:g}")
+        assert factor is not None
+        return cls("yarn", factor, original, beta_fast=beta_fast, beta_slow=beta_slow,
+                   attention_factor=attention_factor,
+                   mscale=_number(rope, "mscale", where), mscale_all_dim=_number(rope, "mscale_all_dim", where),
+                   truncate=truncate)
 
 
 @dataclass(frozen=True)
@@ -66,6 +244,8 @@ class ModelConfig:
     mtp_num_hidden_layers: int
     is_multimodal: bool
     quant: QuantConfig | None = None
+    # None: plain RoPE
+    rope_scaling: RopeScaling | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -92,6 +272,12 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context (prompt + output, in tokens) the model's positions cover: max_position_embeddings,
+        or what its RoPE scaling extends it to (YaRN: original_max_position_embeddings * factor, as vLLM)."""
+        return self.max_position_embeddings if self.rope_scaling is None else self.rope_scaling.max_context_len
 
     @property
     def num_kv_groups(self) -> int:
@@ -160,11 +346,12 @@ class ModelConfig:
         bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, LINEAR_ATTENTION)})
         if bad:
             raise ConfigError(f"{where}: unsupported layer_types {bad}")
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+        if not isinstance(text.get(rope_key) or {}, dict):
+            raise ConfigError(f"{where}: {rope_key} must be an object, got {text[rope_key]!r}")
+        rope = dict(text.get(rope_key) or {})
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported")
+        rope_scaling = RopeScaling.from_rope_parameters(rope, text, f"{where}: {rope_key}")
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
         hidden = int(get("hidden_size"))
         num_heads = int(get("num_attention_heads"))
@@ -205,6 +392,7 @@ class ModelConfig:
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
             is_multimodal=multimodal,
             quant=quant,
+            rope_scaling=rope_scaling,
             source=source,
         )
         cfg._validate(where)
@@ -227,15 +415,11 @@ class ModelConfig:
               f"num_experts_per_tok {self.num_experts_per_tok} not in 1..num_experts {self.num_experts}")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """Read config.json and, if present, hf_quant_config.json of a checkpoint directory."""
+    def from_pretrained(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """Read config.json, with `hf_overrides` (vLLM's --hf-overrides) deep-merged into it, and, if present,
+        hf_quant_config.json of a checkpoint directory."""
         model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON: {e}") from e
+        raw = read_config_json(model_dir, hf_overrides)
         quant = QuantConfig.from_model_dir(model_dir, raw)
-        return cls.from_dict(raw, source=str(path), quant=quant)
+        source = str(model_dir / "config.json") + (" with --hf-overrides" if hf_overrides else "")
+        return cls.from_dict(raw, source=source, quant=quant)

@@ -30,7 +30,6 @@ and shifts plain 1-D positions by the delta elsewhere.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from nibble.kernels.rope import rope_ref
+from nibble.models.config import read_config_json
 
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 
@@ -69,8 +69,9 @@ class MRopeParams:
                    int(video) if video is not None else None)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> MRopeParams:
-        return cls.from_config_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    def from_model_dir(cls, model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> MRopeParams:
+        """From a checkpoint directory's config.json, `hf_overrides` (--hf-overrides) applied."""
+        return cls.from_config_dict(read_config_json(model_dir, hf_overrides))
 
 
 def mrope_positions(input_ids: Sequence[int] | torch.Tensor,

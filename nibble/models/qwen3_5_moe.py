@@ -113,8 +113,9 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.parallel = parallel = parallel or SINGLE
-        max_positions = max_positions or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, kernels, device)
+        max_positions = max_positions or config.max_context_len
+        self.rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, kernels, device,
+                                      scaling=config.rope_scaling)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, self.rotary, dtype, device, parallel)
                                     for i in range(config.num_hidden_layers))

@@ -1,7 +1,8 @@
 """The vLLM flags `nibble serve` takes so that a vLLM command line for Qwen3.5 works as is.
 
 Some name what nibble always does with this model family (the tool-call and reasoning parsers, chunked prefill)
-and are accepted and ignored; some map onto a nibble setting (--language-model-only, --uvicorn-log-level);
+and are accepted and ignored; some map onto a nibble setting (--language-model-only, --uvicorn-log-level,
+--hf-overrides);
 -pp / -dp are accepted only at 1. vLLM flags that are not declared here or in launch.py stay argparse errors,
 so that a setting nibble would not honour is never dropped silently.
 """
@@ -68,8 +69,26 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                              "stream_options.include_usage")
     compat.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="(usage.prompt_tokens_details.cached_tokens is always returned)")
+    compat.add_argument("--hf-overrides", type=hf_overrides_arg, default=None, metavar="JSON",
+                        help=HF_OVERRIDES_HELP)
     compat.add_argument("--enable-request-id-headers", action="store_true",
                         help="(every response always carries X-Request-Id: the client's, else nibble's id)")
+
+
+def hf_overrides_arg(text: str) -> dict[str, Any]:
+    """argparse type of --hf-overrides (`nibble serve`, `generate`, `bench latency`): a JSON object."""
+    from nibble.models.config import parse_hf_overrides
+
+    try:
+        return parse_hf_overrides(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+HF_OVERRIDES_HELP = ("config.json fields to replace, a JSON object deep-merged into the checkpoint's (vLLM's "
+                     "flag), e.g. YaRN RoPE scaling for up to 1048576 tokens of --max-model-len: '{\"text_config\": "
+                     "{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                     "\"original_max_position_embeddings\": 262144}}}'")
 
 
 def _only_one(flag: str) -> Any:

@@ -37,6 +37,7 @@ _ENGINE_FIELDS = (
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
     "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy", "allowed_local_media_path",
     "allowed_media_domains", "media_fetch_timeout_s", "max_media_bytes", "quantization", "max_logprobs",
+    "hf_overrides",
 )
 
 

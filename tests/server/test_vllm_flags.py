@@ -101,6 +101,34 @@ def test_language_model_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert not config.vision_enabled and config.quantization == "modelopt"
 
 
+def test_hf_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    """--hf-overrides (serve, generate, bench latency) takes a JSON object into EngineConfig.hf_overrides; bad JSON
+    or another JSON value is an argparse error naming the flag. On the demo model (max_position_embeddings 32768)
+    a longer --max-model-len is a start-up error naming both lengths, and with YaRN overrides one past
+    original_max_position_embeddings x factor is."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    text = json.dumps({"text_config": {"rope_parameters": rope}})
+    assert config_of("--hf-overrides", text).hf_overrides == {"text_config": {"rope_parameters": rope}}
+    for command in (["generate"], ["bench", "latency"]):
+        args = build_parser(command).parse_args([*command, "--hf-overrides", text])
+        assert engine_config_from_args(args).hf_overrides == {"text_config": {"rope_parameters": rope}}
+    assert engine_config_from_args(build_parser(["generate"]).parse_args(["generate"])).hf_overrides is None
+    for bad in ("{'rope_type': 'yarn'}", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parse("--hf-overrides", bad)
+        with pytest.raises(SystemExit):
+            build_parser(["generate"]).parse_args(["generate", "--hf-overrides", bad])
+    err = capsys.readouterr().err
+    assert "argument --hf-overrides: --hf-overrides is not valid JSON" in err
+    assert "argument --hf-overrides: --hf-overrides takes a JSON object" in err
+    with pytest.raises(EngineConfigError, match="--hf-overrides must be a JSON object"):
+        EngineConfig(model="demo", hf_overrides=[1])  # type: ignore[arg-type]
+    err = run_error(capsys, "--max-model-len", "40000")
+    assert "--max-model-len 40000 exceeds the model's max_position_embeddings 32768" in err
+    err = run_error(capsys, "--hf-overrides", text, "--max-model-len", "140000")
+    assert "--max-model-len 140000 exceeds the model's context length 131072" in err
+
+
 def test_quantization_is_checked_against_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """-q names vLLM's method; the demo checkpoint is ModelOpt NVFP4, so modelopt_fp4 / modelopt / nvfp4 (any
     case) and none pass; another method, or an NVFP4 flag on an unquantized checkpoint, fails at start-up with
