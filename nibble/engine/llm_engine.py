@@ -15,8 +15,9 @@ of the next; a decoding request gets up to num_speculative_tokens + 1 tokens per
 
 Penalties (repetition/presence/frequency), structured outputs and bad words of several tokens need the token
 of the step before on the host: the sampler counts it, the grammar's matcher must have taken it before it can
-say which tokens come next, a bad word's last token is banned only right after its other tokens. While a
-request uses them, the queued step's forward pass still goes ahead, but its sampling is deferred
+say which tokens come next, a bad word's last token is banned only right after its other tokens; so does the
+one step that samples the token a thinking budget may force. While a request uses them (that step only, for
+the budget), the queued step's forward pass still goes ahead, but its sampling is deferred
 (`_Launched.logits`) until the host has handled the step before; the GPU keeps running the forward pass
 meanwhile, and sampling queues behind it.
 """
@@ -49,6 +50,7 @@ from nibble.engine.sampling_params import SamplingParams, SamplingParamsError, t
 from nibble.engine.scheduler import ScheduledBatch, Scheduler
 from nibble.engine.spec_sampler import needs_full_sampler
 from nibble.engine.structured_output import GrammarBackend, StructuredOutputError
+from nibble.engine.thinking_budget import thinking_budget_of
 from nibble.engine.token_masks import check_token_fields, needs_token_context
 from nibble.engine.tokenizer import Tokenizer
 from nibble.engine.vision_prompts import VisionPrompts
@@ -288,6 +290,7 @@ class LLMEngine(VisionPrompts):
         if biased:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {biased[:5]}")
         bad_words_ids = check_token_fields(params, self.tokenizer, vocab)
+        thinking_budget = thinking_budget_of(params, self.tokenizer, prompt_ids, vocab)
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} tokens, which leaves no room to generate")
@@ -312,7 +315,7 @@ class LLMEngine(VisionPrompts):
             except StructuredOutputError as exc:
                 raise RequestError(f"structured outputs: {exc}") from None
         req = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, grammar=grammar,
-                      bad_words_ids=bad_words_ids)
+                      bad_words_ids=bad_words_ids, thinking_budget=thinking_budget)
         if images is not None or videos is not None:
             self._attach_vision(req, images, videos)
         if params.seed is not None:
@@ -486,7 +489,7 @@ class LLMEngine(VisionPrompts):
 
     def _needs_host_tokens(self) -> bool:
         """Whether a running request samples from its earlier tokens (penalties, a grammar's matcher, bad words
-        of several tokens)."""
+        of several tokens, a thinking budget reached)."""
         return any(r.sampling_params.needs_penalties or r.grammar is not None or needs_token_context(r)
                    for r in self.scheduler.running)
 

@@ -12,6 +12,7 @@ import torch
 from nibble.engine.prefix_cache import block_digests, salt_root
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
+from nibble.engine.thinking_budget import ThinkingBudget
 from nibble.models.multimodal import ImageInputs, VideoInputs
 
 # A fed token sampled by a step still in flight: PENDING_BASE - row, row in that step's sampled tokens.
@@ -111,6 +112,8 @@ class Request:
     bad_words_ids: list[list[int]] = field(default_factory=list, repr=False)
     # sampling_params.allowed_token_ids as a device mask, bool [V] (True: banned), built at its first sampling
     allowed_ban_mask: torch.Tensor | None = field(default=None, repr=False)
+    # sampling_params.thinking_token_budget when the prompt leaves the model thinking (thinking_budget.py)
+    thinking_budget: ThinkingBudget | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,9 +2,10 @@
 
 Order: non-finite guard -> logit_bias -> penalties (repetition, presence, frequency over the generated tokens;
 repetition also over the prompt, as vLLM) -> min_tokens suppression of stop tokens -> allowed_token_ids and
-bad_words masks (token_masks.py) -> structured output bitmask -> temperature -> top-k -> top-p -> min-p ->
-sample. Sampling uses the exponential-race trick (argmax p / q, q ~ Exp(1)), with q drawn from the request's
-own generator when it has a seed, so a seeded request gives the same tokens whatever else is in the batch.
+bad_words masks (token_masks.py) -> structured output bitmask -> the thinking budget's forced `</think>`
+(thinking_budget.py; it overrides the masks before it) -> temperature -> top-k -> top-p -> min-p -> sample.
+Sampling uses the exponential-race trick (argmax p / q, q ~ Exp(1)), with q drawn from the request's own
+generator when it has a seed, so a seeded request gives the same tokens whatever else is in the batch.
 Log-probabilities are those of the raw model distribution.
 
 `sample_launch` queues all of it on the device and starts non-blocking copies of the results to the host; its
@@ -20,6 +21,7 @@ import torch
 
 from nibble.engine.request import Request, TokenLogprobs
 from nibble.engine.structured_output import apply_token_bitmask
+from nibble.engine.thinking_budget import force_thinking_end
 from nibble.engine.token_masks import mask_allowed_token_ids, mask_bad_words
 from nibble.kernels.host_copy import to_device_async
 
@@ -180,6 +182,8 @@ def sample_launch(logits: torch.Tensor, requests: list[Request], generator: torc
     if bitmask is not None and bitmask[0]:
         apply_token_bitmask(logits, _on(bitmask[0], torch.int64, logits.device),
                             to_device_async(bitmask[1], logits.device))
+    # like the bad words, the budget's forced token depends on tokens the engine makes sure are on the host
+    force_thinking_end(logits, requests, own_pending)
     greedy = [r.sampling_params.greedy for r in requests]
     tokens = torch.argmax(logits, dim=-1)
     if not all(greedy):

@@ -44,6 +44,8 @@ class SamplingParams:
     written and with a leading space); a one-token word is never sampled, a longer one's last token is not
     sampled right after its other tokens (token_masks.py).
     truncate_prompt_tokens: vLLM's field: keep only the last k prompt tokens (-1: the engine's max_model_len).
+    thinking_token_budget: vLLM's field: when the prompt leaves the model thinking, at most this many tokens are
+    generated before `</think>`, which is then forced (thinking_budget.py); max_tokens still applies.
     """
 
     n: int = 1
@@ -71,6 +73,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,8 +141,8 @@ class SamplingParams:
                                           f"decides where the output ends), got {self.min_tokens}")
 
     def _validate_token_fields(self) -> None:
-        """allowed_token_ids, bad_words and truncate_prompt_tokens; the messages quote at most a few entries of
-        the lists, which may be long."""
+        """allowed_token_ids, bad_words, truncate_prompt_tokens and thinking_token_budget; the messages quote at
+        most a few entries of the lists, which may be long."""
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not isinstance(allowed, list) or not allowed:
@@ -160,6 +163,9 @@ class SamplingParams:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
             raise SamplingParamsError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's "
                                       f"maximum length, got {k!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise SamplingParamsError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
 
     @property
     def greedy(self) -> bool:

@@ -13,9 +13,10 @@ accept no draft: their one token is sampled from position 0 by the regular sampl
 everything it supports keeps working, one token per step. allowed_token_ids and bad_words keep their drafts:
 the other rows' target logits are masked at every position first (token_masks.py; a position's bad words
 follow the generated tokens and the drafts before it), so that acceptance and the token sampled after the
-accepted drafts follow the masked distribution, as the regular sampler's would. Log-probabilities (of the
-raw target distribution, before the masks, as the regular sampler reports them) are computed for every
-position of the rows that want them.
+accepted drafts follow the masked distribution, as the regular sampler's would. A thinking budget forces
+`</think>` at its position the same way, unless the tokens or drafts before it hold one (thinking_budget.py).
+Log-probabilities (of the raw target distribution, before the masks, as the regular sampler reports them)
+are computed for every position of the rows that want them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from nibble.engine.request import Request
 from nibble.engine.sampler import PendingSample, _filter, _on, sample_launch
+from nibble.engine.thinking_budget import force_thinking_end_with_drafts, thinking_end_positions
 from nibble.engine.token_masks import mask_allowed_token_ids, mask_bad_words_with_drafts
 
 
@@ -65,7 +67,8 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Req
                   bitmask: tuple[list[int], torch.Tensor] | None = None,
                   host_drafts: list[list[int]] | None = None) -> Acceptance:
     """logits: fp32 [B, n, V] (modified in place); drafts: int64 [B, n - 1] on the logits' device, and
-    host_drafts the same on the host (read from `drafts` when a row's bad words need them and it is None).
+    host_drafts the same on the host (read from `drafts` when a row's bad words or thinking budget need them
+    and it is None).
     bitmask: the structured-output bitmask of full rows, as `sample_launch` takes it (rows index
     `requests`). A position whose logits are not finite accepts no draft after it; a row is bad only when
     the position its new token comes from is."""
@@ -78,16 +81,21 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, requests: list[Req
     full_set = set(full_rows)
     lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None and i not in full_set]
     # full rows get their masks from the regular sampler, which must see their raw logits for their log-probs
-    masked = [i for i, r in enumerate(requests)
-              if i not in full_set and (r.sampling_params.allowed_token_ids or r.bad_words_ids)]
+    free_rows = [i for i in range(num_seqs) if i not in full_set]
+    budget_rows = thinking_end_positions(requests, n, free_rows)
+    masked = [i for i in free_rows if requests[i].sampling_params.allowed_token_ids or requests[i].bad_words_ids
+              or i in budget_rows]
     raw = None
     if lp_rows and set(masked) & set(lp_rows):
         raw = torch.log_softmax(logits[_on(lp_rows, torch.int64, device)], dim=-1)  # before the masks
     if masked:
         mask_allowed_token_ids(logits, requests, masked)
-        if any(requests[i].bad_words_ids for i in masked):
-            mask_bad_words_with_drafts(logits, requests, drafts.tolist() if host_drafts is None else host_drafts,
-                                       masked)
+        bad_words = any(requests[i].bad_words_ids for i in masked)
+        if bad_words or budget_rows:
+            context = drafts.tolist() if host_drafts is None else host_drafts
+            if bad_words:
+                mask_bad_words_with_drafts(logits, requests, context, masked)
+            force_thinking_end_with_drafts(logits, requests, context, budget_rows)
     target = torch.argmax(logits, dim=-1)
     match = drafts == target[:, :-1]
     random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and i not in full_set]

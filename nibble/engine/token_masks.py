@@ -25,6 +25,7 @@ import torch
 
 from nibble.engine.request import Request
 from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
+from nibble.engine.thinking_budget import needs_budget_context
 from nibble.kernels.host_copy import to_device_async
 
 if TYPE_CHECKING:
@@ -91,8 +92,9 @@ def banned_tokens(sequences: list[list[int]], context: list[int]) -> list[int]:
 
 
 def needs_token_context(req: Request) -> bool:
-    """Whether the request's bad-words mask depends on its latest tokens (a word of more than one token)."""
-    return any(len(seq) > 1 for seq in req.bad_words_ids)
+    """Whether the request's next mask depends on its latest tokens: a bad word of more than one token, or a
+    thinking budget whose forced position comes next while a token before it is pending (thinking_budget.py)."""
+    return any(len(seq) > 1 for seq in req.bad_words_ids) or needs_budget_context(req)
 
 
 def _allowed_ban_mask(req: Request, vocab: int, device: torch.device) -> torch.Tensor:

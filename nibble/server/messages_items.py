@@ -5,7 +5,8 @@ Claude Code puts into `messages`) becomes the one system message Qwen3.5's templ
 message's text blocks become a user message and each `tool_result` block a `tool` message, in their order;
 the assistant messages of one turn (thinking, text, tool_use blocks) become one assistant message with
 `reasoning_content`, `content` and `tool_calls`. Custom tools take their chat form; `tool_choice` becomes the
-chat tool_choice and parallel_tool_calls; `output_config.format` becomes `response_format`.
+chat tool_choice and parallel_tool_calls; `output_config.format` becomes `response_format`; `thinking` becomes
+enable_thinking and, for type 'enabled', a `thinking_token_budget` of its budget_tokens.
 
 The generated assistant message (reasoning, content, tool calls) becomes thinking, text and tool_use blocks.
 Errors are `BlockError`s whose message and `param` name the offending field, e.g. `messages[2].content[0].type`.
@@ -276,10 +277,10 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any
 
 def thinking_mode(thinking: dict[str, Any] | None) -> tuple[bool | None, bool]:
     """(enable_thinking, whether the thinking text is omitted) for the `thinking` setting: 'enabled' and
-    'adaptive' think (Qwen3.5 decides how long), 'disabled' does not, absent is the model's default (Qwen3.5
-    thinks). `budget_tokens` is checked but not enforced: reasoning and answer share max_tokens, as thinking
-    counts toward max_tokens in Anthropic's API too. `display: "omitted"` returns thinking blocks without
-    their text."""
+    'adaptive' think, 'disabled' does not, absent is the model's default (Qwen3.5 thinks). 'adaptive' lets
+    Qwen3.5 decide how long; 'enabled' caps its thinking at `budget_tokens` (`thinking_budget`), after which
+    `</think>` is forced. Reasoning and answer share max_tokens, as thinking counts toward max_tokens in
+    Anthropic's API too. `display: "omitted"` returns thinking blocks without their text."""
     if thinking is None:
         return None, False
     kind = thinking.get("type")
@@ -294,6 +295,15 @@ def thinking_mode(thinking: dict[str, Any] | None) -> tuple[bool | None, bool]:
     if display not in (None, "summarized", "omitted"):
         raise BlockError("thinking.display", f"must be 'summarized' or 'omitted', got {display!r}")
     return True, display == "omitted"
+
+
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """The thinking-token budget of a `thinking` setting: budget_tokens of type 'enabled', else None (an
+    invalid setting too: `thinking_mode` names its error)."""
+    budget = (thinking or {}).get("budget_tokens")
+    if (thinking or {}).get("type") != "enabled" or not isinstance(budget, int) or isinstance(budget, bool):
+        return None
+    return budget if budget >= 1 else None
 
 
 def chat_response_format(output_config: dict[str, Any] | None,

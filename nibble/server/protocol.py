@@ -99,6 +99,8 @@ class SharedSamplingFields(_Request):
     # token_masks.py)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM extra: at most this many tokens of thinking before `</think>` is forced (nibble/engine/thinking_budget.py)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     @field_validator("logit_bias")
     @classmethod

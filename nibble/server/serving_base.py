@@ -371,7 +371,8 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids,
                 structured_outputs=structured, cache_salt=req.cache_salt, priority=req.priority,
-                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                thinking_token_budget=req.thinking_token_budget)
             self.core.check_priority(params)
         except SamplingParamsError as exc:
             raise from_engine_error(exc) from None

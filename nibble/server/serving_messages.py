@@ -33,6 +33,7 @@ from nibble.server.messages_items import (
     chat_tools,
     check_context_management,
     content_blocks,
+    thinking_budget,
     thinking_mode,
     to_chat_messages,
 )
@@ -137,6 +138,8 @@ class MessagesServing(ChatServing):
             chat["stop"] = req.stop_sequences
             for name in _SAMPLING_FIELDS:
                 chat[name] = getattr(req, name)
+            if req.thinking_token_budget is None:  # the vLLM field wins when both are given
+                chat["thinking_token_budget"] = thinking_budget(req.thinking)
         if body.get("enable_thinking") is not None:
             chat["enable_thinking"] = body["enable_thinking"]
         return {k: v for k, v in chat.items() if v is not None}

@@ -38,7 +38,7 @@ SHARED_VALUES: dict[str, Any] = {
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "seed": 7, "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "logit_bias": {"5": 1.0}, "cache_salt": "salt", "priority": 0, "structured_outputs": {"regex": "a+"},
-    "allowed_token_ids": [5, 6], "bad_words": ["x"]}
+    "allowed_token_ids": [5, 6], "bad_words": ["x"], "thinking_token_budget": 5}
 
 
 def post(server: ServerHandle, path: str, body: dict[str, Any]) -> dict[str, Any]:
