@@ -380,3 +380,20 @@ def test_cache_salt_keeps_tenants_apart(uncached: list[list[int]]) -> None:
     assert llm.engine.blocks.all_free()
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_reset_prefix_cache_drops_every_entry_only_when_idle(uncached: list[list[int]]) -> None:
+    """vLLM's reset_prefix_cache: the next prompts are computed cold (same outputs, no cached tokens); refused
+    (False, nothing dropped) while a request is waiting or running."""
+    llm = LLM(device="cpu", max_model_len=512)
+    prompts = _prompts()
+    for p in prompts[:3]:
+        llm.generate([p], GREEDY)
+    assert llm.generate([prompts[3]], GREEDY)[0].num_cached_tokens > 0
+    llm.engine.add_request("busy", prompts[4], GREEDY)
+    assert not llm.reset_prefix_cache()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() and llm.engine.blocks.all_free()
+    cold = llm.generate([prompts[3]], GREEDY)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == uncached[3]

@@ -102,6 +102,16 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """`LLMEngine.reset_prefix_cache` on the engine thread (between steps): whether the cache was dropped
+        (False while requests run). Raises EngineDead when the engine thread has stopped."""
+        if not self.is_alive:
+            raise EngineDead(self.dead_reason or "the engine thread has stopped")
+        done: Future[bool] = Future()
+        self._commands.put(("reset_prefix_cache", done))
+        self._wakeup.set()
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         self.dead_reason = self.dead_reason or "the engine was shut down"
         self._stop = True
@@ -139,6 +149,11 @@ class AsyncEngine:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
                     self._deliver(out, cmd[1])
+            elif cmd[0] == "reset_prefix_cache" and cmd[1].set_running_or_notify_cancel():
+                try:
+                    cmd[1].set_result(self.engine.reset_prefix_cache())
+                except BaseException as e:
+                    cmd[1].set_exception(e)
 
     def _loop(self) -> None:
         try:
@@ -156,6 +171,8 @@ class AsyncEngine:
                 break
             if cmd[0] == "add" and cmd[4].set_running_or_notify_cancel():
                 cmd[4].set_exception(EngineDead(self.dead_reason))
+            elif cmd[0] == "reset_prefix_cache" and cmd[1].set_running_or_notify_cancel():
+                cmd[1].set_exception(EngineDead(self.dead_reason))
 
     def _run(self) -> None:
         while not self._stop:

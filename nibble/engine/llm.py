@@ -46,6 +46,10 @@ class LLM:
             raise ValueError("this model has no tokenizer")
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache, as vLLM's LLM.reset_prefix_cache (LLMEngine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams holding the request defaults of the engine's generation config (the model's
         generation_config.json unless `generation_config` / `override_generation_config` say otherwise), what

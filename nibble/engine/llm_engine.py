@@ -215,6 +215,18 @@ class LLMEngine(VisionPrompts):
             raise RequestError("structured outputs need a tokenizer, and this model has none")
         return self._grammars
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix and the record of prompts seen (vLLM's reset_prefix_cache), so that the
+        next prompts are computed cold, e.g. between benchmark runs. Only on an idle engine: returns False, and
+        drops nothing, while requests are running or waiting (their entries' copies may still be queued)."""
+        if self.has_unfinished_requests():
+            return False
+        if self._inflight is not None:
+            self._finish_step(self._inflight)
+            self._inflight = None
+        self.blocks.clear_prefix_cache()
+        return True
+
     def reset(self) -> None:
         """Return an idle engine to its start-up state: no step in flight, counters at zero, the sampling
         generator reseeded with the configured seed."""

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nibble import __version__
-from nibble.engine.async_engine import AsyncEngine
+from nibble.engine.async_engine import AsyncEngine, EngineDead
 from nibble.server.errors import APIError
 from nibble.server.messages_protocol import AnthropicError
 from nibble.server.metrics import ServerMetrics
@@ -226,6 +226,18 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     @app.post("/v1/messages/count_tokens", dependencies=messages_auth)
     async def count_message_tokens(request: Request) -> Response:
         return await messages.count_tokens(await messages.read_body(request), request)
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache() -> Response:
+        # vLLM's route (for benchmarks that want cold prompts): 409 while requests run, rather than a silent no-op
+        try:
+            reset = await engine.reset_prefix_cache()
+        except EngineDead as exc:
+            return error_json(APIError(503, f"the engine is not running: {exc}", code="engine_dead"))
+        if not reset:
+            return error_json(APIError(409, "the prefix cache is reset only when no request is running or waiting; "
+                                            "retry when the server is idle", code="engine_busy"))
+        return JSONResponse({"reset": True})
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:

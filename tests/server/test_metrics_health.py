@@ -10,7 +10,7 @@ from nibble import __version__
 from nibble.server.api_server import build_app
 from nibble.server.metrics import VLLM_NAMES
 
-from .conftest import ServerHandle, metric_value
+from .conftest import ServerHandle, metric_value, wait_idle
 
 METRIC_NAMES = (
     "nibble:num_requests_running",
@@ -87,3 +87,21 @@ def test_vllm_names_mirror_the_nibble_series(http: httpx.Client) -> None:
     assert "vllm:model_steps" not in families and "vllm:http_errors" not in families
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_success"):
         assert name in families
+
+
+def test_reset_prefix_cache_route(http: httpx.Client, server: ServerHandle) -> None:
+    """POST /reset_prefix_cache (vLLM's): a repeated long prompt is served from the cache, after a reset it
+    is computed again."""
+    prompt = list(range(10, 10 + 300))
+
+    def cached() -> int:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    cached()
+    assert cached() > 0
+    assert wait_idle(server.engine)
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert cached() == 0
