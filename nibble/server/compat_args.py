@@ -10,6 +10,7 @@ so that a setting nibble would not honour is never dropped silently.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from typing import Any
 
@@ -34,6 +35,9 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         help="(the Qwen3-Coder XML format is the one parsed)")
     compat.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="(always on: text up to </think> becomes reasoning_content)")
+    compat.add_argument("--reasoning-config", type=_reasoning_config, default=None, metavar="JSON",
+                        help="(the reasoning markers of Qwen3.5, <think> and </think>, which thinking_token_budget "
+                             "counts between; other markers are an error)")
     compat.add_argument("--trust-remote-code", action="store_true",
                         help="(nibble runs no code from the checkpoint; accepted and ignored)")
     compat.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
@@ -89,6 +93,29 @@ HF_OVERRIDES_HELP = ("config.json fields to replace, a JSON object deep-merged i
                      "flag), e.g. YaRN RoPE scaling for up to 1048576 tokens of --max-model-len: '{\"text_config\": "
                      "{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                      "\"original_max_position_embeddings\": 262144}}}'")
+
+
+# vLLM's --reasoning-config keys and the values nibble's Qwen3.5 reasoning handling uses
+REASONING_MARKERS = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+
+
+def _reasoning_config(text: str) -> dict[str, Any]:
+    """argparse type of --reasoning-config: a JSON object whose markers, where given, are Qwen3.5's."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--reasoning-config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--reasoning-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(value) - set(REASONING_MARKERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--reasoning-config: unknown keys {unknown}; known: "
+                                         f"{', '.join(REASONING_MARKERS)}")
+    for key, marker in REASONING_MARKERS.items():
+        if key in value and value[key] != marker:
+            raise argparse.ArgumentTypeError(f"--reasoning-config: {key} {value[key]!r} is not supported; Qwen3.5 "
+                                             f"reasons between <think> and </think>")
+    return value
 
 
 def _only_one(flag: str) -> Any:

@@ -317,3 +317,16 @@ def test_force_include_usage(engine: AsyncEngine) -> None:
             assert all(c.get("usage") is None for c in chunks[:-1]), path
     finally:
         handle.stop()
+
+
+def test_reasoning_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --reasoning-config (which its thinking_token_budget needs): Qwen3.5's markers are accepted, others
+    are an error naming the key."""
+    markers = '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'
+    assert parse("--reasoning-config", markers).reasoning_config == json.loads(markers)
+    assert config_of("--reasoning-config", markers) == EngineConfig(model="demo")
+    for bad, message in (('{"reasoning_end_str": "</reason>"}', "reasoning_end_str"), ("[1]", "JSON object"),
+                         ('{"think": 1}', "unknown keys"), ("{", "JSON object")):
+        with pytest.raises(SystemExit):
+            parse("--reasoning-config", bad)
+        assert message in capsys.readouterr().err
