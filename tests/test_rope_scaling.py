@@ -203,6 +203,27 @@ def test_hf_overrides_deep_merge_and_errors() -> None:
             parse_hf_overrides(bad)
 
 
+def test_rope_scaling_override_beside_rope_parameters_is_not_lost() -> None:
+    """The Qwen3 docs' spelling (rope_scaling) next to a checkpoint's rope_parameters is read, as transformers v5
+    folds the legacy key in; a text-model key at the top of the multimodal layout, where nothing would read it,
+    and fields of the wrong type are ConfigErrors naming the place."""
+    demo_dir = resolve_model_path("demo")
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    config = ModelConfig.from_pretrained(demo_dir, {"text_config": {"rope_scaling": yarn}})
+    plain = ModelConfig.from_pretrained(demo_dir)
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 4.0
+    assert config.max_context_len == 4 * plain.max_position_embeddings
+    assert (config.rope_theta, config.partial_rotary_factor) == (plain.rope_theta, plain.partial_rotary_factor)
+    raw = json.loads((demo_dir / "config.json").read_text())
+    if "text_config" in raw:
+        with pytest.raises(ConfigError, match='put rope_scaling under "text_config"'):
+            ModelConfig.from_pretrained(demo_dir, {"rope_scaling": yarn})
+    with pytest.raises(ConfigError, match="text_config must be an object"):
+        ModelConfig.from_pretrained(demo_dir, {"text_config": [1]})
+    with pytest.raises(ConfigError, match="invalid literal"):
+        ModelConfig.from_pretrained(demo_dir, {"text_config": {"max_position_embeddings": "x"}})
+
+
 def test_max_model_len_is_derived_from_the_scaling() -> None:
     demo = json.loads((resolve_model_path("demo") / "config.json").read_text())
     plain = ModelConfig.from_dict(apply_hf_overrides(demo, {"text_config": {"max_position_embeddings": 262144}}))

@@ -29,6 +29,10 @@ def _require(d: dict[str, Any], key: str, path: str) -> Any:
     return d[key]
 
 
+# text-model settings that an override must put under text_config on the multimodal config.json layout
+TEXT_MODEL_KEYS = frozenset({"rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings"})
+
+
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A copy of `base` with `overrides` applied: objects present in both are merged key by key, recursively;
     any other value of `overrides` replaces `base`'s. Neither argument is modified."""
@@ -50,6 +54,11 @@ def apply_hf_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) ->
     """
     if not overrides:
         return raw
+    misplaced = sorted(k for k in overrides if k in TEXT_MODEL_KEYS) if "text_config" in raw else []
+    if misplaced:
+        # on the multimodal layout these top-level keys would be merged where nothing reads them
+        raise ConfigError(f"--hf-overrides: put {', '.join(misplaced)} under \"text_config\": on this checkpoint "
+                          f"they are settings of the text model")
     if "text_config" not in raw and isinstance(overrides.get("text_config"), dict):
         rest = {k: v for k, v in overrides.items() if k != "text_config"}
         return deep_merge(deep_merge(raw, overrides["text_config"]), rest)
@@ -325,8 +334,22 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else raw.get("model_type", "")
         multimodal = "text_config" in raw
+        if multimodal and not isinstance(raw["text_config"], dict):
+            raise ConfigError(f"{source}: text_config must be an object, got {raw['text_config']!r}")
         text = dict(raw["text_config"]) if multimodal else dict(raw)
         where = f"{source} (text_config)" if multimodal else source
+        try:
+            return cls._from_text(raw, text, arch, where, source, quant)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            # a field of the wrong type (a string where a number belongs, often from --hf-overrides)
+            raise ConfigError(f"{where}: {exc}") from None
+
+    @classmethod
+    def _from_text(cls, raw: dict[str, Any], text: dict[str, Any], arch: str, where: str, source: str,
+                   quant: QuantConfig | None) -> ModelConfig:
+        """from_dict's parse of the text model's settings `text` (raw: the whole config.json dict)."""
 
         def get(key: str, default: Any = ...) -> Any:
             if key in text:
@@ -346,10 +369,16 @@ class ModelConfig:
         bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, LINEAR_ATTENTION)})
         if bad:
             raise ConfigError(f"{where}: unsupported layer_types {bad}")
+        for key in ("rope_parameters", "rope_scaling"):
+            if not isinstance(text.get(key) or {}, dict):
+                raise ConfigError(f"{where}: {key} must be an object, got {text[key]!r}")
         rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
-        if not isinstance(text.get(rope_key) or {}, dict):
-            raise ConfigError(f"{where}: {rope_key} must be an object, got {text[rope_key]!r}")
         rope = dict(text.get(rope_key) or {})
+        if rope_key == "rope_parameters" and text.get("rope_scaling"):
+            # transformers v5 reads the legacy rope_scaling into rope_parameters; an override written the
+            # Qwen3 docs' way (rope_scaling beside the checkpoint's rope_parameters) must not be lost
+            rope.update(text["rope_scaling"])
+            rope_key = "rope_parameters + rope_scaling"
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         rope_scaling = RopeScaling.from_rope_parameters(rope, text, f"{where}: {rope_key}")
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
@@ -390,7 +419,7 @@ class ModelConfig:
             pad_token_id=text.get("pad_token_id"),
             torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
-            is_multimodal=multimodal,
+            is_multimodal="text_config" in raw,
             quant=quant,
             rope_scaling=rope_scaling,
             source=source,
