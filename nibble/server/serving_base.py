@@ -130,6 +130,11 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+# the ignored fields one warning names, and the characters of each name it shows
+MAX_LOGGED_FIELDS = 20
+MAX_LOGGED_FIELD_LEN = 80
+
+
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model a field's annotation holds (`StreamOptions | None` -> StreamOptions), or None."""
     for kind in (annotation, *get_args(annotation)):
@@ -169,8 +174,11 @@ def parse_model(cls: type[M], body: dict[str, Any], route: str | None = None, re
     if route is not None:
         ignored = ignored_fields(cls, body, read_elsewhere)
         if ignored:
-            logger.warning("%s%s: the following fields were present in the request but ignored: %s",
-                           f"{request_id} " if request_id else "", route, ", ".join(ignored))
+            # the keys are the client's text: quoted (no line breaks reach the log) and at most MAX_LOGGED_FIELDS
+            names = ", ".join(repr(k)[:MAX_LOGGED_FIELD_LEN] for k in ignored[:MAX_LOGGED_FIELDS])
+            more = f" and {len(ignored) - MAX_LOGGED_FIELDS} more" if len(ignored) > MAX_LOGGED_FIELDS else ""
+            logger.warning("%s%s: the following fields were present in the request but ignored: %s%s",
+                           f"{request_id} " if request_id else "", route, names, more)
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
     return req

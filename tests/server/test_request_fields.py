@@ -210,4 +210,14 @@ def test_ignored_fields_are_logged(server: ServerHandle, caplog: pytest.LogCaptu
     (line,) = _ignored_lines(caplog)
     request_id, route = line.split(" ")[:2]
     assert request_id.startswith(("chatcmpl-", "cmpl-", "resp_", "msg_")) and route == f"/v1{path}:"
-    assert line.endswith(f"the following fields were present in the request but ignored: {named}")
+    quoted = ", ".join(repr(name) for name in named.split(", "))
+    assert line.endswith(f"the following fields were present in the request but ignored: {quoted}")
+
+
+def test_ignored_field_names_cannot_forge_log_lines(server: ServerHandle, caplog: pytest.LogCaptureFixture) -> None:
+    """A client's key goes into the log quoted (a line break stays an escape) and the list is capped."""
+    caplog.set_level(logging.WARNING, logger="nibble.server")
+    junk = {f"junk{i}": i for i in range(100)}
+    post(server, "/completions", {"prompt": "hi", "max_tokens": 1, "a\nFAKE LOG LINE": 1, **junk})
+    (line,) = _ignored_lines(caplog)
+    assert "\n" not in line and "'a\\nFAKE LOG LINE'" in line and line.endswith("and 81 more")
