@@ -5,8 +5,11 @@ scrape time, so they are always current and cost nothing per step. Per-request n
 latencies) are recorded by the serving code when each engine request ends.
 
 The metrics that vLLM also has are exposed a second time under vLLM's names (`vllm:num_requests_waiting`,
-`vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`, ...; same meaning, labels and buckets), so that
-dashboards, alerts and autoscalers written for vLLM work against nibble unchanged.
+`vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`, ...), so that dashboards, alerts and autoscalers
+that read vLLM's gauges and counters work against nibble. The copies carry nibble's samples as they are: the
+`model_name` label only (vLLM v1 adds `engine`), nibble's histogram buckets (quantiles computed from them differ
+from vLLM's), and `time_per_output_token_seconds` observes one mean per request where vLLM v1 observes every
+inter-token gap.
 """
 
 from __future__ import annotations
@@ -84,21 +87,27 @@ VLLM_NAMES = frozenset({
 })
 
 
-class _VllmNames(Collector):
-    """The families of `source` named in VLLM_NAMES again, renamed `nibble:x` -> `vllm:x` (samples too)."""
+def vllm_aliases(families: list[Metric]) -> Iterator[Metric]:
+    """The families named in VLLM_NAMES again, renamed `nibble:x` -> `vllm:x` (samples too)."""
+    for family in families:
+        base = family.name.removeprefix("nibble:")
+        if base == family.name or base not in VLLM_NAMES:
+            continue
+        alias = Metric(f"vllm:{base}", family.documentation, family.type, family.unit)
+        alias.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("nibble:"))
+                         for sample in family.samples]
+        yield alias
 
-    def __init__(self, source: CollectorRegistry) -> None:
-        self._source = source
+
+class _Snapshot(Collector):
+    """Metric families collected once, so that a scrape reads the engine's stats once and both names of a
+    gauge agree."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
 
     def collect(self) -> Iterator[Metric]:
-        for family in self._source.collect():
-            base = family.name.removeprefix("nibble:")
-            if base == family.name or base not in VLLM_NAMES:
-                continue
-            alias = Metric(f"vllm:{base}", family.documentation, family.type, family.unit)
-            alias.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("nibble:"))
-                             for sample in family.samples]
-            yield alias
+        return iter(self._families)
 
 
 class ServerMetrics:
@@ -135,8 +144,6 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for hist in (self.ttft, self.tpot, self.e2e, self.prompt_len, self.output_len):
             hist.labels(model_name)
-        self.vllm_registry = CollectorRegistry()
-        self.vllm_registry.register(_VllmNames(self.registry))
 
     def observe_request(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                         arrival_time: float | None, first_token_time: float | None, end_time: float) -> None:
@@ -157,4 +164,5 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        return generate_latest(self.registry) + generate_latest(self.vllm_registry), CONTENT_TYPE_LATEST
+        families = list(self.registry.collect())
+        return generate_latest(_Snapshot([*families, *vllm_aliases(families)])), CONTENT_TYPE_LATEST
