@@ -107,7 +107,11 @@ def _reasoning_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"--reasoning-config must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"--reasoning-config must be a JSON object, got {text!r}")
-    unknown = sorted(set(value) - set(REASONING_MARKERS))
+    parser = value.get("reasoning_parser")
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"--reasoning-config: reasoning_parser {parser!r} is not supported; "
+                                         f"known: {', '.join(REASONING_PARSERS)}")
+    unknown = sorted(set(value) - set(REASONING_MARKERS) - {"reasoning_parser"})
     if unknown:
         raise argparse.ArgumentTypeError(f"--reasoning-config: unknown keys {unknown}; known: "
                                          f"{', '.join(REASONING_MARKERS)}")

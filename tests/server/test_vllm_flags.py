@@ -325,8 +325,11 @@ def test_reasoning_config(capsys: pytest.CaptureFixture[str]) -> None:
     markers = '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'
     assert parse("--reasoning-config", markers).reasoning_config == json.loads(markers)
     assert config_of("--reasoning-config", markers) == EngineConfig(model="demo")
+    with_parser = '{"reasoning_parser": "qwen3"}'
+    assert parse("--reasoning-config", with_parser).reasoning_config == {"reasoning_parser": "qwen3"}
     for bad, message in (('{"reasoning_end_str": "</reason>"}', "reasoning_end_str"), ("[1]", "JSON object"),
-                         ('{"think": 1}', "unknown keys"), ("{", "JSON object")):
+                         ('{"think": 1}', "unknown keys"), ("{", "JSON object"),
+                         ('{"reasoning_parser": "gpt_oss"}', "reasoning_parser")):
         with pytest.raises(SystemExit):
             parse("--reasoning-config", bad)
         assert message in capsys.readouterr().err
