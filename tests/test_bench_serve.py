@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import nibble
 from nibble.bench.datasets import load_tokenizer, sample_prefix_repetition_requests, sample_random_requests
 from nibble.bench.datasets_files import load_sharegpt, sample_sharegpt_requests
-from nibble.bench.serve import BenchError, BenchServeConfig, build_requests, main, run_benchmark
+from nibble.bench.serve import BenchError, BenchServeConfig, build_requests, main, run_benchmark, run_sweep
 
 MODEL = "stand-in/tiny"
 QWEN_TOKENIZER = Path("/work/shared/models/qwen3.5/tokenizer/tokenizer.json")
@@ -704,7 +704,19 @@ def test_prefix_repetition_against_nibble_reports_cache_hits(tmp_path, capsys):
         engine.shutdown()
     doc = json.loads((tmp_path / "nibble.json").read_text())
     assert doc["completed"] == 6 and doc["failed"] == 0
-    # one request at a time: the second prompt of a group finds the shared prefix (nibble caches prefixes of
-    # 256 tokens or more) and computes it once more, the third starts from it
-    assert doc["total_cached_tokens"] >= 2 * 320, doc["total_cached_tokens"]
-    assert "Prefix-cache hit tokens:" in capsys.readouterr().out
+    # the cache was reset after the test request, so the hits are the pass's own: one request at a time, the
+    # second prompt of a group finds the shared prefix (nibble caches prefixes of 256 tokens or more) and
+    # computes it once more, the third starts from it
+    assert doc["config"]["reset_prefix_cache"] is True
+    assert 2 * 320 <= doc["total_cached_tokens"] < 6 * 320, doc["total_cached_tokens"]
+    out = capsys.readouterr().out
+    assert "Prefix-cache hit tokens:" in out and "was not reset" not in out
+
+
+def test_prefix_cache_reset_before_each_pass(serve, word_tokenizer, capsys):
+    """A server without /reset_prefix_cache gets one note; --keep-prefix-cache sends no reset at all."""
+    server = serve()
+    asyncio.run(run_sweep(_cfg(server, word_tokenizer, num_prompts=2), [1, 2]))
+    assert capsys.readouterr().out.count("prefix cache was not reset before the pass (unsupported)") == 1
+    asyncio.run(run_sweep(_cfg(server, word_tokenizer, num_prompts=2, reset_prefix_cache=False), [1, 2]))
+    assert "was not reset" not in capsys.readouterr().out

@@ -90,6 +90,10 @@ class BenchServeConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     num_warmups: int = 0
+    # drop the server's prefix cache before each pass (POST /reset_prefix_cache, where the server has it), so
+    # that prompts repeated from the test request, the warm-ups or an earlier pass of a sweep are not
+    # measured as cache hits
+    reset_prefix_cache: bool = True
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     request_timeout_s: float = 6 * 3600.0
     disable_tqdm: bool = False
@@ -361,6 +365,10 @@ async def _arrivals(
         yield req
 
 
+# 409 answers of /reset_prefix_cache (requests still running) before a pass starts without the reset
+RESET_TRIES = 10
+
+
 class _Session:
     """A connection pool plus the resolved request settings, shared by the passes of one invocation."""
 
@@ -398,6 +406,25 @@ class _Session:
             where = "" if cfg.url in out.error else f" to {cfg.url}"
             raise BenchError(f"test request{where} failed: {out.error}")
         return self.settings
+
+    async def reset_prefix_cache(self) -> str:
+        """POST /reset_prefix_cache (nibble's and vLLM's dev-mode route): "reset", "busy" when the server still
+        runs requests after a few tries, or "unsupported" when it has no such route."""
+        cfg = self.cfg
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        url = cfg.base_url.rstrip("/") + "/reset_prefix_cache"
+        for _ in range(RESET_TRIES):
+            try:
+                async with self.http.post(url, headers=headers) as resp:
+                    if resp.status == 200:
+                        return "reset"
+                    if resp.status != 409:
+                        return "unsupported"
+            except (aiohttp.ClientError, TimeoutError):
+                return "unsupported"
+            # 409: requests of the warm-up or of another client are still running
+            await asyncio.sleep(0.5)
+        return "busy"
 
     async def run_pass(
         self, requests: Sequence[SampleRequest], max_concurrency: int | None, desc: str = ""
@@ -467,12 +494,19 @@ async def _run_passes(
         needed = max(n for _, n in passes)
         pool = list(requests) if requests is not None else build_requests(cfg, needed, tokenizer)
         results = []
+        noted: set[str] = set()
         for concurrency, wanted in passes:
             # Without oversampling a short file dataset is sent once, as it is, rather than cycled.
             num_prompts = min(wanted, len(pool)) if cfg.no_oversample else wanted
             # A sweep reuses the dataset's first prompts so every pass sees the same shapes.
             batch = [pool[i % len(pool)] for i in range(num_prompts)]
             await session.warm_up(batch, concurrency)
+            if cfg.reset_prefix_cache:
+                state = await session.reset_prefix_cache()
+                if state != "reset" and state not in noted:
+                    noted.add(state)
+                    print(f"note: the server's prefix cache was not reset before the pass ({state}): prompts "
+                          "repeated from the test request, warm-ups or earlier passes may be served from it")
             desc = f"concurrency {concurrency}" if concurrency else ""
             outputs, duration, peak = await session.run_pass(batch, concurrency, desc)
             metrics = compute_metrics(outputs, duration, cfg.percentiles, concurrency, peak)

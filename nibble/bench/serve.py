@@ -185,6 +185,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier",
     )
     load.add_argument("--num-warmups", type=int, default=0, help="warm-up requests excluded from stats")
+    load.add_argument("--keep-prefix-cache", dest="reset_prefix_cache", action="store_false",
+                      help="do not reset the server's prefix cache before each pass (by default POST "
+                           "/reset_prefix_cache, so that repeated prompts are not measured as cache hits)")
     load.add_argument(
         "--concurrency-sweep", default=None, metavar="C1,C2,...", help="one pass per max concurrency, e.g. 1,8,32,128"
     )
@@ -282,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> BenchServeConfig:
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         num_warmups=args.num_warmups,
+        reset_prefix_cache=args.reset_prefix_cache,
         percentiles=percentiles,
         request_timeout_s=args.request_timeout,
         disable_tqdm=args.disable_tqdm,
