@@ -3,10 +3,15 @@ as Qwen3.5's partial RoPE; text-only mRoPE positions reduce to this."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
-from nibble.models.config import RopeScaling
+
+if TYPE_CHECKING:
+    # annotations only: kernels do not depend on the model package at run time
+    from nibble.models.rope_scaling import RopeScaling
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from nibble.kernels.kernel_set import KernelSet
 from nibble.kernels.rope import build_cos_sin_cache
-from nibble.models.config import RopeScaling
+from nibble.models.rope_scaling import RopeScaling
 
 
 class RotaryEmbedding(nn.Module):

@@ -7,212 +7,24 @@ settings sit under `text_config` and whose tensors are prefixed `model.language_
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nibble.models.config_json import (  # noqa: F401  (re-exported: the names importers know from here)
+    TEXT_MODEL_KEYS,
+    ConfigError,
+    _require,
+    apply_hf_overrides,
+    deep_merge,
+    parse_hf_overrides,
+    read_config_json,
+)
 from nibble.models.quant_config import QuantConfig
+from nibble.models.rope_scaling import SCALED_ROPE_TYPES, RopeScaling  # noqa: F401
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
-
-
-class ConfigError(ValueError):
-    """A config.json that nibble cannot serve; the message names the file and the field."""
-
-
-def _require(d: dict[str, Any], key: str, path: str) -> Any:
-    if key not in d:
-        raise ConfigError(f"{path}: missing field '{key}'")
-    return d[key]
-
-
-# text-model settings that an override must put under text_config on the multimodal config.json layout
-TEXT_MODEL_KEYS = frozenset({"rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings"})
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `base` with `overrides` applied: objects present in both are merged key by key, recursively;
-    any other value of `overrides` replaces `base`'s. Neither argument is modified."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def apply_hf_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """config.json's dict with vLLM's `--hf-overrides` deep-merged into it.
-
-    The overrides usually target the published multimodal layout (`{"text_config": {"rope_parameters": ...}}`);
-    on a text-only config.json, whose text settings sit at the top level, a `text_config` object is merged
-    there instead, so the same command line serves both layouts.
-    """
-    if not overrides:
-        return raw
-    misplaced = sorted(k for k in overrides if k in TEXT_MODEL_KEYS) if "text_config" in raw else []
-    if misplaced:
-        # on the multimodal layout these top-level keys would be merged where nothing reads them
-        raise ConfigError(f"--hf-overrides: put {', '.join(misplaced)} under \"text_config\": on this checkpoint "
-                          f"they are settings of the text model")
-    if "text_config" not in raw and isinstance(overrides.get("text_config"), dict):
-        rest = {k: v for k, v in overrides.items() if k != "text_config"}
-        return deep_merge(deep_merge(raw, overrides["text_config"]), rest)
-    return deep_merge(raw, overrides)
-
-
-def parse_hf_overrides(text: str) -> dict[str, Any]:
-    """vLLM's `--hf-overrides` JSON text as a dict; ValueError naming the flag unless it is a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-overrides is not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--hf-overrides takes a JSON object of config.json fields, e.g. "
-                         f"'{{\"text_config\": {{\"rope_parameters\": {{...}}}}}}', got {text!r}")
-    return value
-
-
-def read_config_json(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json of a checkpoint directory as a dict, `overrides` (--hf-overrides) applied."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: not a JSON object")
-    return apply_hf_overrides(raw, overrides)
-
-
-# the rope_type values that describe plain RoPE (mrope: the 3-D positions, which leave the frequencies as they are)
-_UNSCALED_ROPE_TYPES = ("default", "mrope")
-SCALED_ROPE_TYPES = ("yarn", "linear")
-
-
-def _number(rope: dict[str, Any], key: str, where: str, *, minimum: float | None = None,
-            default: float | None = None) -> float | None:
-    """rope[key] as a float (`default` when absent or null); ConfigError naming the field (`where`.key)
-    otherwise."""
-    value = rope.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}.{key} must be a number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{where}.{key} must be >= {minimum:g}, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling for contexts longer than pretraining's (config.json `rope_parameters`), the way
-    transformers' `_compute_yarn_parameters` / `_compute_linear_scaling_rope_parameters` compute it.
-
-    "yarn" (https://arxiv.org/abs/2309.00071): frequencies whose wavelength is short next to
-    `original_max_position_embeddings` are kept, long ones divided by `factor`, a linear ramp between the
-    dimensions that make `beta_fast` and `beta_slow` rotations over it; cos and sin are multiplied by
-    `attention_scaling`. "linear": every frequency divided by `factor`. The tensors are built by
-    nibble.kernels.rope.rope_inv_freq.
-    """
-
-    rope_type: str
-    factor: float
-    # the pretraining context length (linear: max_position_embeddings)
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    # None: derived from factor (and mscale / mscale_all_dim when both are set), see attention_scaling
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    @property
-    def attention_scaling(self) -> float:
-        """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 for linear)."""
-        if self.rope_type != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-
-        def get_mscale(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        # transformers tests truthiness: a zero mscale falls back to the factor-only formula too
-        if self.mscale and self.mscale_all_dim:
-            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
-        return get_mscale(self.factor)
-
-    @property
-    def max_context_len(self) -> int:
-        """The longest context the scaled frequencies are meant for, as vLLM derives it: the unscaled length
-        times factor."""
-        return int(self.original_max_position_embeddings * self.factor)
-
-    def correction_range(self, rotary_dim: int, theta: float) -> tuple[float, float]:
-        """YaRN's (low, high) frequency indices: below low the frequencies are kept, above high divided by
-        factor, linearly mixed between."""
-        def correction_dim(num_rotations: float) -> float:
-            return (rotary_dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
-                    / (2 * math.log(theta)))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        return max(low, 0), min(high, rotary_dim - 1)
-
-    @classmethod
-    def from_rope_parameters(cls, rope: dict[str, Any], text: dict[str, Any], where: str) -> RopeScaling | None:
-        """The scaling `rope` (a text config's rope_parameters, or legacy rope_scaling) asks for; None for plain
-        RoPE. `text` is the text config, for max_position_embeddings and a top-level
-        original_max_position_embeddings (which transformers prefers to rope's). `where` names `rope` in
-        errors (e.g. "config.json (text_config): rope_parameters"); ConfigError naming a bad field."""
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type in _UNSCALED_ROPE_TYPES:
-            return None
-        if rope_type not in SCALED_ROPE_TYPES:
-            raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (nibble serves "
-                              f"{', '.join(_UNSCALED_ROPE_TYPES + SCALED_ROPE_TYPES)})")
-        if "factor" not in rope:
-            raise ConfigError(f"{where}: missing field 'factor' (required with rope_type '{rope_type}')")
-        max_pos = int(text.get("max_position_embeddings", 32768))
-        if rope_type == "linear":
-            factor = _number(rope, "factor", where, minimum=1.0)
-            if factor is None:
-                raise ConfigError(f"{where}.factor must be a number >= 1, got null")
-            return cls("linear", factor, max_pos)
-        original = text.get("original_max_position_embeddings",
-                            rope.get("original_max_position_embeddings", max_pos))
-        if isinstance(original, float) and original.is_integer():
-            original = int(original)
-        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-            raise ConfigError(f"{where}.original_max_position_embeddings must be a positive integer, "
-                              f"got {original!r}")
-        # a null factor is the ratio of the two lengths (DeepSeek-V3's convention, as transformers has it)
-        factor = _number(rope, "factor", where, minimum=1.0, default=max_pos / original)
-        truncate = rope.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise ConfigError(f"{where}.truncate must be true or false, got {truncate!r}")
-        # transformers reads `get(...) or default`: 0 and null both mean the default
-        beta_fast = _number(rope, "beta_fast", where) or 32.0
-        beta_slow = _number(rope, "beta_slow", where) or 1.0
-        if beta_fast < beta_slow:
-            raise ConfigError(f"{where}.beta_fast {beta_fast:g} must be >= beta_slow {beta_slow:g}")
-        attention_factor = _number(rope, "attention_factor", where)
-        if attention_factor is not None and attention_factor <= 0:
-            raise ConfigError(f"{where}.attention_factor must be > 0, got {attention_factor:g}")
-        assert factor is not None
-        return cls("yarn", factor, original, beta_fast=beta_fast, beta_slow=beta_slow,
-                   attention_factor=attention_factor,
-                   mscale=_number(rope, "mscale", where), mscale_all_dim=_number(rope, "mscale_all_dim", where),
-                   truncate=truncate)
 
 
 @dataclass(frozen=True)
