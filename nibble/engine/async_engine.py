@@ -38,6 +38,10 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stop = False
         self.dead_reason: str | None = None
+        # set (under _closing) once the engine thread has taken its last command: a command submitted after
+        # that would wait for an answer forever, so _submit refuses it instead
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="nibble-engine", daemon=True)
         self._thread.start()
 
@@ -74,8 +78,11 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         added: Future[None] = Future()
         self._streams[request_id] = (loop, stream)
-        self._commands.put(("add", request_id, prompt, params, added, images, videos))
-        self._wakeup.set()
+        try:
+            self._submit(("add", request_id, prompt, params, added, images, videos))
+        except EngineDead:
+            self._streams.pop(request_id, None)
+            raise
         try:
             await asyncio.wrap_future(added)
         except BaseException:
@@ -108,9 +115,17 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDead(self.dead_reason or "the engine thread has stopped")
         done: Future[bool] = Future()
-        self._commands.put(("reset_prefix_cache", done))
-        self._wakeup.set()
+        self._submit(("reset_prefix_cache", done))
         return await asyncio.wrap_future(done)
+
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
+        """Queue a command whose caller waits for the engine thread's answer; EngineDead once the thread has
+        taken its last command."""
+        with self._closing:
+            if self._closed:
+                raise EngineDead(self.dead_reason or "the engine thread has stopped")
+            self._commands.put(cmd)
+        self._wakeup.set()
 
     def shutdown(self) -> None:
         self.dead_reason = self.dead_reason or "the engine was shut down"
@@ -164,6 +179,8 @@ class AsyncEngine:
             self._fail_all(EngineDead(self.dead_reason))
         self.dead_reason = self.dead_reason or "the engine was shut down"
         # Requests handed over after the last drain would otherwise wait forever for their admission.
+        with self._closing:
+            self._closed = True
         while True:
             try:
                 cmd = self._commands.get_nowait()

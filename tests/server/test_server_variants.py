@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from nibble.engine.async_engine import AsyncEngine
+from nibble.engine.async_engine import AsyncEngine, EngineDead
 
 from .conftest import ServerHandle, make_engine, start_server
 
@@ -158,6 +158,11 @@ def test_stopped_engine(model_kwargs: dict[str, Any]) -> None:
             assert http.get("/health").status_code == 503
             r = http.post("/v1/completions", json=PROMPT)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            r = http.post("/reset_prefix_cache")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        # a command that reaches the engine after its thread took its last one is refused, not left unanswered
+        with pytest.raises(EngineDead):
+            eng._submit(("reset_prefix_cache", Future()))
     finally:
         handle.stop()
 
