@@ -354,3 +354,31 @@ def test_token_masks_on_gpu(num_spec: int) -> None:
     for tokens, sp in zip(got, params):
         assert not any(_contains(tokens, s) for s in tokenize_bad_words(sp.bad_words or [], _encoder(tok), 1024))
         assert sp.allowed_token_ids is None or set(tokens) <= set(sp.allowed_token_ids)
+
+
+@pytest.mark.parametrize("num_spec", [0, 2])
+def test_thinking_budget_on_gpu(num_spec: int) -> None:
+    """thinking_token_budget on the GPU (fp32; decode steps from CUDA graphs with overlapped scheduling, or verify
+    graphs under speculative decoding): `</think>` right after `budget` tokens, the tokens before it those of the
+    free synchronous run, and the same outputs as that run's forced one."""
+    from tests.test_thinking_budget import END, _thinking
+
+    prompts = [_thinking(n, seed) for seed, n in enumerate((5, 17, 40))]
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    budgets = [0, 3, 9]
+    plain = LLM(device="cuda", dtype="float32", max_model_len=256, async_scheduling=False, warmup=False,
+                extra={"num_kv_blocks": 128})
+    unforced = [o.outputs[0].token_ids for o in plain.generate(prompts, free)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, thinking_token_budget=b)
+              for b in budgets]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    llm = LLM(device="cuda", dtype="float32", max_model_len=256, num_speculative_tokens=num_spec, warmup=False,
+              extra={"num_kv_blocks": 128})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    for tokens, free_tokens, b in zip(got, unforced, budgets):
+        if END not in free_tokens[:b]:
+            assert tokens[:b] == free_tokens[:b] and tokens[b] == END
+    stats = llm.engine.stats()
+    assert stats["model_steps_verify_graph" if num_spec else "model_steps_decode_graph"] > 0, stats
