@@ -42,6 +42,8 @@ def test_demo_checkpoint_is_clean() -> None:
     assert f["num_tensors"] == 901 and f["skipped"] == 69 and f["headers_checked"] == 832
     assert f["block_scales_read"] == 192 and f["scalars_read"] == 384 and not f["deep"]
     assert f["architecture"] == "Qwen3_5MoeForConditionalGeneration" and f["layout"] == "multimodal"
+    max_pos = json.loads((DEMO_DIR / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert f["context"].startswith(f"{max_pos} tokens (max_position_embeddings")
     json.dumps(report.to_dict())
     assert "result: OK" in report.render()
 

@@ -97,6 +97,8 @@ def render_report(d: dict[str, Any]) -> str:
     lines = [f"checkpoint {d['model_dir']}"]
     if "architecture" in f:
         lines.append(f"  {f['architecture']}, {f.get('layout')} layout, {f.get('quantization')}")
+    if "context" in f:
+        lines.append(f"  context: {f['context']}")
     if "num_tensors" in f:
         lines.append(f"  {f.get('num_shards', 0)} shard(s), {f['num_tensors']} tensors, "
                      f"{f.get('total_bytes', 0) / 1e9:.3f} GB; skipped (vision/MTP): {f.get('skipped', 0)}")
@@ -149,6 +151,11 @@ def _check_config(model_dir: Path, report: CheckpointReport) -> ModelConfig | No
         return None
     report.facts["architecture"] = config.architecture
     report.facts["layout"] = "multimodal" if config.is_multimodal else "text-only"
+    scaling = config.rope_scaling
+    report.facts["context"] = (f"{config.max_context_len} tokens"
+                               + (f" ({scaling.rope_type} RoPE scaling: {scaling.original_max_position_embeddings}"
+                                  f" x {scaling.factor:g})" if scaling is not None else
+                                  " (max_position_embeddings; YaRN can extend it: --hf-overrides)"))
     q = config.quant
     report.facts["quantization"] = (f"{q.quant_algo} ({len(q.exclude_modules)} exclude globs, KV cache "
                                     f"{q.kv_cache_quant_algo or 'model dtype'})" if q else "not quantized")
