@@ -35,6 +35,7 @@ from nibble.server.serving_completions import CompletionServing
 from nibble.server.serving_messages import MessagesServing
 from nibble.server.serving_responses import ResponsesServing
 from nibble.server.serving_tokenize import TokenizeServing
+from nibble.server.unhandled import UnhandledErrors
 
 logger = logging.getLogger("nibble.server")
 
@@ -127,6 +128,14 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
                   openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
+    def unexpected(scope: Any, exc: Exception) -> JSONResponse:
+        path = scope.get("path", "")
+        logger.error("unhandled error on %s %s", scope.get("method", ""), path, exc_info=exc)
+        error = AnthropicError if path.startswith("/v1/messages") else APIError
+        return error_json(error(500, f"internal server error: {type(exc).__name__}: {exc}"))
+
+    # innermost of the three, so that X-Request-Id and CORS headers reach its 500s too
+    app.add_middleware(UnhandledErrors, respond=unexpected)
     app.add_middleware(RequestIdHeader)
     if cors is not None:
         # added last, so outermost: CORS headers go on every response, and X-Request-Id is exposed to pages
@@ -158,10 +167,6 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_json(APIError(400, f"invalid request: {exc.errors()}"))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_json(error_class(request)(500, f"internal server error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> Response:

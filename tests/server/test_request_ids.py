@@ -57,3 +57,22 @@ def test_the_same_id_twice_runs_two_requests(server: ServerHandle) -> None:
     assert first.json()["id"] == second.json()["id"] == "cmpl-dup"
     assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
     assert first.json()["usage"]["completion_tokens"] == second.json()["usage"]["completion_tokens"] == 8
+
+
+def test_unhandled_errors_carry_the_id_and_cors_headers(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no handler takes is the API's JSON 500, with the X-Request-Id and CORS headers that
+    Starlette's own last-resort answer would lack."""
+    from .conftest import start_server
+
+    handle = start_server(engine, cors={"allow_origins": ["*"]})
+    try:
+        def broken() -> dict:
+            raise RuntimeError("stats exploded")
+
+        monkeypatch.setattr(engine, "stats", broken)
+        r = httpx.get(handle.url + "/metrics", headers={"X-Request-Id": "boom-1", "Origin": "http://page.example"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "boom-1"
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.json()["error"]["message"] == "internal server error: RuntimeError: stats exploded"
+    finally:
+        handle.stop()
