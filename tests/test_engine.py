@@ -72,3 +72,22 @@ def test_stop_conditions_and_abort() -> None:
     final = engine.abort_request("to-abort")
     assert final is not None and final.finished and final.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests() and engine.blocks.all_free()
+
+
+def test_llm_chat_renders_like_the_tokenizer_and_continues_a_final_message() -> None:
+    """LLM.chat (vLLM's offline chat): each conversation rendered by the chat template (tools, thinking off,
+    continue_final_message) and generated exactly as LLM.generate on the rendered text."""
+    llm = LLM(device="cpu", max_model_len=1024)
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "name a colour"}]]
+    got = [o.outputs[0].token_ids for o in llm.chat(convs, greedy, tools=tools, enable_thinking=False)]
+    texts = [tok.apply_chat_template(c, tools=tools, enable_thinking=False) for c in convs]
+    assert got == [o.outputs[0].token_ids for o in llm.generate(texts, greedy)]
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    out = llm.chat(prefill, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    rendered = tok.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.endswith("Hello, I am") and out.prompt == rendered
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(prefill, greedy, continue_final_message=True)

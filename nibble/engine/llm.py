@@ -107,15 +107,22 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
              add_generation_prompt: bool = True, enable_thinking: bool | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate."""
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate. continue_final_message (with
+        add_generation_prompt=False, as in vLLM): generation continues the last (assistant) message instead of
+        starting a new turn."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         tok = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conv in conversations:
             conv, images, videos = take_media(conv)  # type: ignore[arg-type]
             text = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                           enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+                                           enable_thinking=enable_thinking,
+                                           continue_final_message=continue_final_message,
+                                           **(chat_template_kwargs or {}))
             media = {"image": images, "video": videos}
             prompts.append({"prompt": text, "multi_modal_data": media} if images or videos else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
