@@ -91,3 +91,17 @@ def test_llm_chat_renders_like_the_tokenizer_and_continues_a_final_message() -> 
     assert rendered.endswith("Hello, I am") and out.prompt == rendered
     with pytest.raises(ValueError, match="add_generation_prompt=False"):
         llm.chat(prefill, greedy, continue_final_message=True)
+
+
+def test_sampling_params_without_max_tokens_serve_prompts_of_any_length() -> None:
+    """A SamplingParams without max_tokens fills each request's own room: the engine does not write one prompt's
+    room into the caller's object, which would refuse the next, longer prompt."""
+    llm = LLM(device="cpu", max_model_len=128)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    params.max_tokens = None
+    short = llm.engine.add_request("short", [5] * 3, params)
+    long = llm.engine.add_request("long", [7] * 60, params)
+    assert params.max_tokens is None
+    assert (short.sampling_params.max_tokens, long.sampling_params.max_tokens) == (125, 68)
+    for rid in ("short", "long"):
+        llm.engine.abort_request(rid)

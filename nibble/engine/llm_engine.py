@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -313,7 +313,8 @@ class LLMEngine(VisionPrompts):
                 f"{len(prompt_ids)} prompt tokens and asks for {max_tokens} more "
                 f"({len(prompt_ids) + max_tokens} in all). Shorten the prompt or lower max_tokens.")
         if params.max_tokens is None:
-            params.max_tokens = max_tokens
+            # a copy: the caller's SamplingParams may serve other prompts, whose room differs
+            params = replace(params, max_tokens=max_tokens)
         if self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
             raise EngineOverloaded(f"the server is overloaded: {self.scheduler.num_unfinished} requests are "
                                    "queued or running; retry later")
