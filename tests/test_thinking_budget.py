@@ -22,6 +22,7 @@ from nibble.engine.spec_sampler import accept_drafts
 from nibble.engine.structured_output import StructuredOutputsParams
 from nibble.engine.thinking_budget import ThinkingBudget, thinking_budget_of
 from tests.test_spec_decode import _engine, _Oracle, _run
+from tests.test_token_masks import overlap_runs
 
 START, END, NL = 1015, 1016, 198  # the demo tokenizer's <think>, </think> and "\n"
 # 1 + 4 * 2 tokens: a prefill and two verify steps of 3 drafts, none of them past max_tokens
@@ -166,24 +167,11 @@ def test_overlapped_scheduling_defers_only_the_forced_step(natural: SamplingPara
     prompts, params = _mixed(natural)
     params.append(_with(GREEDY, temperature=0.8, seed=5, thinking_token_budget=4))
     prompts.append(_thinking(8, seed=9))
-    runs = []
-    for overlap in (False, True):
-        engine = LLM(device="cpu", max_model_len=256, async_scheduling=overlap)
-        deferred: list[int] = []
-        real = engine.engine._sample_deferred
-
-        def spy(launched, real=real, deferred=deferred):  # type: ignore[no-untyped-def]
-            deferred.append(launched.step)
-            real(launched)
-
-        engine.engine._sample_deferred = spy  # type: ignore[method-assign]
-        outs = engine.generate(prompts, params)
-        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs])
-        # at most the steps sampling index 3, 4 or 6 (budget 0 is sampled by the prefill, 2 is outside thinking)
-        assert (0 < len(deferred) <= 3) if overlap else not deferred
-        assert engine.engine.blocks.all_free()
-    assert runs[0] == runs[1]
-    for (tokens, _), sp, prompt in zip(runs[1], params, prompts):
+    (sync, sync_deferred), (overlapped, deferred) = overlap_runs(prompts, params)
+    # at most the steps sampling index 3, 4 or 6 (budget 0 is sampled by the prefill, 2 is outside thinking)
+    assert not sync_deferred and 0 < len(deferred) <= 3
+    assert sync == overlapped
+    for (tokens, _), sp, prompt in zip(overlapped, params, prompts):
         budget = sp.thinking_token_budget
         if budget is not None and prompt[-1] == NL and prompt[-2] == START and not sp.allowed_token_ids:
             assert tokens[budget] == END and END not in tokens[:budget]

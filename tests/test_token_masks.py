@@ -170,12 +170,16 @@ def _mixed(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def test_overlapped_scheduling_defers_bad_words_rows_and_matches_sync(llm: LLM) -> None:
-    prompts, params = _mixed(llm)
+Outputs = list[tuple[list[int], list[float]]]
+
+
+def overlap_runs(prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[Outputs, list[int]]]:
+    """The prompts generated with overlapped scheduling off, then on: per run each output's (token ids,
+    logprobs) and the steps whose sampling waited for the host (`_sample_deferred`); every block is free after."""
     runs = []
     for overlap in (False, True):
         engine = LLM(device="cpu", max_model_len=256, async_scheduling=overlap)
-        deferred = []
+        deferred: list[int] = []
         real = engine.engine._sample_deferred
 
         def spy(launched, real=real, deferred=deferred):  # type: ignore[no-untyped-def]
@@ -184,12 +188,19 @@ def test_overlapped_scheduling_defers_bad_words_rows_and_matches_sync(llm: LLM) 
 
         engine.engine._sample_deferred = spy  # type: ignore[method-assign]
         outs = engine.generate(prompts, params)
-        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs])
-        assert bool(deferred) == overlap
+        runs.append(([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs],
+                     deferred))
         assert engine.engine.blocks.all_free()
-    assert runs[0] == runs[1]
+    return runs
+
+
+def test_overlapped_scheduling_defers_bad_words_rows_and_matches_sync(llm: LLM) -> None:
+    prompts, params = _mixed(llm)
+    (sync, sync_deferred), (overlapped, deferred) = overlap_runs(prompts, params)
+    assert not sync_deferred and deferred
+    assert sync == overlapped
     tok = llm.get_tokenizer()
-    for (tokens, _), sp in zip(runs[1], params):
+    for (tokens, _), sp in zip(overlapped, params):
         seqs = tokenize_bad_words(sp.bad_words or [], _encoder(tok), 1024)
         assert not any(_contains(tokens, s) for s in seqs)
         assert sp.allowed_token_ids is None or set(tokens) <= set(sp.allowed_token_ids)
