@@ -23,6 +23,7 @@ from nibble.server.serving_messages import MessagesServing
 from nibble.server.serving_responses import ResponsesServing
 
 from .conftest import ServerHandle
+from .test_sampling_fields import post
 
 # Deterministic, without thinking: the output is the answer, token for token.
 ANSWER = {"input": "Name a colour.", "temperature": 0.0, "reasoning": {"effort": "none"}, "ignore_eos": True}
@@ -39,12 +40,6 @@ SHARED_VALUES: dict[str, Any] = {
     "seed": 7, "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False, "include_stop_str_in_output": True,
     "logit_bias": {"5": 1.0}, "cache_salt": "salt", "priority": 0, "structured_outputs": {"regex": "a+"},
     "allowed_token_ids": [5, 6], "bad_words": ["x"], "thinking_token_budget": 5}
-
-
-def post(server: ServerHandle, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(server.api + path, json={"model": server.model, **body}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def sse_events(server: ServerHandle, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
