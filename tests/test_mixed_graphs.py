@@ -24,7 +24,7 @@ def _install(engine: LLMEngine, max_tokens: int = 512) -> MixedGraphs:
     runner = engine.runner
     graphs = MixedGraphs(runner.model, runner.caches, max_tokens, engine.config.max_num_seqs,
                          runner.max_num_blocks_per_seq, runner.max_model_len, runner.device,
-                         full_hidden=engine.config.speculative)
+                         full_hidden=engine.config.mtp_drafts)
     runner.mixed_graphs = graphs
     return graphs
 
@@ -180,10 +180,10 @@ def test_step_counts_say_what_ran() -> None:
     assert runner.step_counts["eager"] == 2
 
 
-@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
-def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int) -> None:
+@pytest.mark.parametrize(("num_speculative_tokens", "method"), [(0, "mtp"), (2, "mtp"), (2, "ngram")])
+def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int, method: str) -> None:
     """With speculative decoding the prefill steps' target pass runs padded (every token's hidden row out, for
-    the MTP head) and the verify steps as before."""
+    the MTP head; each sequence's last with n-gram drafts) and the verify steps as before."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (int(n),), generator=gen).tolist()
                for n in torch.randint(3, 60, (6,), generator=gen)]
@@ -206,9 +206,10 @@ def test_engine_outputs_with_padded_mixed_steps(num_speculative_tokens: int) -> 
         return out
 
     want = generate(_engine(max_num_batched_tokens=64))
+    spec = {"num_speculative_tokens": num_speculative_tokens, "speculative_method": method}
     if num_speculative_tokens:
-        assert generate(_engine(max_num_batched_tokens=64, num_speculative_tokens=2)) == want
-    engine = _engine(max_num_batched_tokens=64, num_speculative_tokens=num_speculative_tokens)
+        assert generate(_engine(max_num_batched_tokens=64, **spec)) == want
+    engine = _engine(max_num_batched_tokens=64, **spec)
     graphs = _install(engine, max_tokens=64)
     captured = _fake_capture(graphs, max_tokens=32)
     calls: list[GraphKey] = []

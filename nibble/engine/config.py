@@ -17,39 +17,58 @@ DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "flo
           "float": torch.float32}
 
 
-SPECULATIVE_METHODS = ("mtp",)
-# vLLM's names for the same drafter (Qwen3-Next / Qwen3.5 MTP head)
-_METHOD_ALIASES = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
+SPECULATIVE_METHODS = ("mtp", "ngram")
+# vLLM's names for the drafters: the MTP head (Qwen3-Next / Qwen3.5) and prompt lookup (engine/ngram_proposer.py)
+_METHOD_ALIASES = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp", "ngram": "ngram"}
 MAX_SPECULATIVE_TOKENS = 8
+# vLLM's default n-gram sizes when --speculative-config names neither prompt_lookup_min nor prompt_lookup_max
+DEFAULT_PROMPT_LOOKUP = 5
 # vLLM's --scheduling-policy values: arrival order, or each request's `priority` (lower first) then arrival
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # the input kinds --limit-mm-per-prompt counts
 MM_KINDS = ("image", "video")
 # vLLM's --max-logprobs default: the most log-probabilities per token a request may ask for
 DEFAULT_MAX_LOGPROBS = 20
+_SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
-def parse_speculative_config(text: str) -> dict[str, Any]:
-    """EngineConfig fields from vLLM's `--speculative-config` JSON, e.g. '{"method": "mtp",
-    "num_speculative_tokens": 2}' (also "qwen3_next_mtp" / "qwen3_5_mtp"). Raises EngineConfigError."""
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EngineConfigError(f"--speculative-config is not valid JSON: {exc}") from None
+def parse_speculative_config(text: str | dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig fields from vLLM's `--speculative-config` JSON (or the dict of `LLM(speculative_config=...)`):
+    '{"method": "mtp", "num_speculative_tokens": 2}' (also "qwen3_next_mtp" / "qwen3_5_mtp"), or
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'.
+    Raises EngineConfigError."""
+    spec: Any = text
+    if isinstance(text, str):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineConfigError(f"--speculative-config is not valid JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise EngineConfigError("--speculative-config must be a JSON object")
-    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(spec) - set(_SPEC_FIELDS))
     if unknown:
         raise EngineConfigError(f"--speculative-config: unsupported field(s) {', '.join(unknown)} (nibble takes "
-                                "method and num_speculative_tokens)")
+                                f"{', '.join(_SPEC_FIELDS)})")
     method = spec.get("method", "mtp")
     if method not in _METHOD_ALIASES:
         raise EngineConfigError(f"--speculative-config: method must be one of {', '.join(_METHOD_ALIASES)}, "
                                 f"got {method!r}")
-    k = spec.get("num_speculative_tokens", 1)
-    if not isinstance(k, int) or isinstance(k, bool):
-        raise EngineConfigError(f"--speculative-config: num_speculative_tokens must be an integer, got {k!r}")
-    return {"speculative_method": _METHOD_ALIASES[method], "num_speculative_tokens": k}
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise EngineConfigError(f"--speculative-config: {key} must be an integer, got {value!r}")
+    out: dict[str, Any] = {"speculative_method": _METHOD_ALIASES[method],
+                           "num_speculative_tokens": spec.get("num_speculative_tokens", 1)}
+    lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if out["speculative_method"] != "ngram":
+        if lookup_min is not None or lookup_max is not None:
+            raise EngineConfigError("--speculative-config: prompt_lookup_min / prompt_lookup_max are for method "
+                                    "ngram")
+        return out
+    # as vLLM: one bound given stands for both
+    out["prompt_lookup_min"] = lookup_min if lookup_min is not None else (lookup_max or DEFAULT_PROMPT_LOOKUP)
+    out["prompt_lookup_max"] = lookup_max if lookup_max is not None else (lookup_min or DEFAULT_PROMPT_LOOKUP)
+    return out
 
 
 class EngineConfigError(ValueError):
@@ -97,6 +116,9 @@ class EngineConfig:
     prefix_cache_slots: int = 16
     speculative_method: str = "mtp"
     num_speculative_tokens: int = 0
+    # n-gram drafting (speculative_method "ngram"): the longest suffix of min..max tokens that occurred before
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     # image URLs of requests (engine/media.py): fetch limits, and which hosts / local directory may be read
     media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
     max_media_bytes: int = DEFAULT_MAX_BYTES
@@ -143,6 +165,9 @@ class EngineConfig:
               f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got '{self.speculative_method}'")
         check(0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
               f"--num-speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         check(self.max_num_batched_tokens > self.num_speculative_tokens,
               f"--max-num-batched-tokens must exceed --num-speculative-tokens ({self.num_speculative_tokens}): a "
               f"verify step feeds each sequence {self.num_speculative_tokens + 1} tokens")
@@ -182,6 +207,12 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.num_speculative_tokens > 0
+
+    @property
+    def mtp_drafts(self) -> bool:
+        """Whether speculative decoding drafts with the model's MTP head (which then needs its KV cache and
+        its passes after each step); n-gram drafts are found on the host from the request's tokens."""
+        return self.speculative and self.speculative_method == "mtp"
 
     def mm_limit(self, kind: str) -> int | None:
         """The most inputs of `kind` ("image" / "video") one prompt may hold; None: no limit."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nibble.engine.config import EngineConfig
+from nibble.engine.config import EngineConfig, parse_speculative_config
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
 from nibble.engine.sampling_params import SamplingParams
@@ -34,10 +34,14 @@ class LLM:
     """A model loaded for offline generation.
 
     LLM(model="demo" | DIR, device="auto"|"cpu"|"cuda", dtype="auto"|"bfloat16"|"float32", **engine options);
-    any EngineConfig field can be given as a keyword.
+    any EngineConfig field can be given as a keyword, and speculative_config as vLLM's dict ({"method": "mtp" |
+    "ngram", "num_speculative_tokens": k, ...}).
     """
 
     def __init__(self, model: str = "demo", device: str = "auto", dtype: str = "auto", **kwargs: Any) -> None:
+        spec = kwargs.pop("speculative_config", None)
+        if spec is not None:
+            kwargs = {**parse_speculative_config(spec), **kwargs}
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
         self._counter = 0
 

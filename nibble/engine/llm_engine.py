@@ -9,9 +9,10 @@ steps no longer leaves the GPU idle; only decode steps are queued ahead (see `_c
 that stops (EOS, stop string, error, abort) has its row of the step already queued discarded; requests
 reaching max_tokens are not scheduled again. Off under tensor parallelism.
 
-Speculative decoding (`EngineConfig.num_speculative_tokens`, the MTP head drafting): every step runs to the
-end before the next is scheduled (`_spec_step`), since a verify step's accepted count moves the positions
-of the next; a decoding request gets up to num_speculative_tokens + 1 tokens per step.
+Speculative decoding (`EngineConfig.num_speculative_tokens`, the MTP head or n-gram lookup drafting): every
+step runs to the end before the next is scheduled (`_spec_step`), since a verify step's accepted count moves
+the positions of the next; a decoding request gets up to num_speculative_tokens + 1 tokens per step. The MTP
+head's drafts come back with the step; n-gram drafts are looked up here, in the request's tokens.
 
 Penalties (repetition/presence/frequency), structured outputs and bad words of several tokens need the token
 of the step before on the host: the sampler counts it, the grammar's matcher must have taken it before it can
@@ -42,6 +43,7 @@ from nibble.engine.generation_config import GenerationConfigError, load_generati
 from nibble.engine.image_requests import ImageArg, ImageRequests, VideoArg, vision_max_patches
 from nibble.engine.kernels import select_engine_kernels
 from nibble.engine.model_runner import ModelRunner, num_mtp_layers
+from nibble.engine.ngram_proposer import NgramProposer
 from nibble.engine.outputs import TextState, request_output, store_prompt_logprobs
 from nibble.engine.parallel import WorkerError, WorkerGroup
 from nibble.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
@@ -130,10 +132,13 @@ class LLMEngine(VisionPrompts):
                                     f"{config.generation_config}, --override-generation-config) are invalid: {exc}") \
                 from None
         max_model_len = check_max_model_len(config.max_model_len, self.model_config)
-        if config.speculative and self.model_config.mtp_num_hidden_layers < 1:
+        if config.mtp_drafts and self.model_config.mtp_num_hidden_layers < 1:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: mtp_num_hidden_layers is 0, the model has "
-                                    "no MTP head to draft with; drop --num-speculative-tokens")
+                                    "no MTP head to draft with; drop --num-speculative-tokens, or draft with "
+                                    '--speculative-config \'{"method": "ngram", ...}\'')
         self.num_spec_tokens = config.num_speculative_tokens
+        self.ngram = (NgramProposer(self.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.speculative and not config.mtp_drafts else None)
         self.kernels, self.kernel_report = select_engine_kernels(config, self.model_config)
         # Tensor parallelism: ranks 1..N-1 are worker processes that mirror the model loading and runner
         # construction below and then run every step this engine broadcasts (nibble/engine/worker.py).
@@ -466,7 +471,7 @@ class LLMEngine(VisionPrompts):
                 if req.finished:
                     break
             if not req.finished:
-                req.draft_token_ids = out.drafts[j]
+                req.draft_token_ids = self.ngram.propose(req) if self.ngram is not None else out.drafts[j]
             outputs.append(self._output(req))
         return outputs
 

@@ -59,7 +59,7 @@ def rank_cache_bytes(model_config: ModelConfig, dims: dict[str, int], block_size
 def num_mtp_layers(engine: EngineConfig, model_config: ModelConfig) -> int:
     """MTP head layers the model is built with and the caches hold KV for: all of the checkpoint's when
     speculative decoding drafts with the head (draft step s runs layer s % n), else none."""
-    return model_config.mtp_num_hidden_layers if engine.speculative else 0
+    return model_config.mtp_num_hidden_layers if engine.mtp_drafts else 0
 
 
 def verify_graph_logits_bytes(engine: EngineConfig, model_config: ModelConfig) -> int:
@@ -147,7 +147,7 @@ def profile_peak_activation_bytes(engine: EngineConfig, model_config: ModelConfi
     base = torch.cuda.memory_allocated(device)
     hidden = model(batch, scratch)
     model.compute_logits(hidden[batch.logits_indices])
-    if engine.speculative:
+    if engine.mtp_drafts:
         model.mtp_forward(batch.input_ids, hidden, batch, scratch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
@@ -226,6 +226,7 @@ class ModelRunner(SpecSteps):
                 assert cache is not None
                 cache.k_scale, cache.v_scale = ks, vs
         self.num_spec_tokens = engine.num_speculative_tokens
+        self.mtp_drafts = engine.mtp_drafts
         # a verify step and its drafts reach 2 * num_spec_tokens positions past the computed tokens
         self.max_seq_len = max_model_len + 2 * self.num_spec_tokens
         self.max_num_blocks_per_seq = -(-self.max_seq_len // self.block_size)
@@ -260,7 +261,7 @@ class ModelRunner(SpecSteps):
             return
         graphs = MixedGraphs(self.model, self.caches, max_tokens, self.engine.max_num_seqs,
                              self.max_num_blocks_per_seq, self.max_model_len, self.device,
-                             thread_local_capture=self.parallel.is_parallel, full_hidden=self.engine.speculative)
+                             thread_local_capture=self.parallel.is_parallel, full_hidden=self.engine.mtp_drafts)
         other = self.graphs or self.verify_graphs
         graphs.pool = other.pool if other is not None else None
         # each graph keeps its hidden rows: every token's with full_hidden, else each sequence's last
@@ -273,7 +274,7 @@ class ModelRunner(SpecSteps):
         max_bs = min(self.engine.max_num_seqs, self.engine.cuda_graph_max_batch_size, MAX_VERIFY_GRAPH_BATCH)
         graphs = VerifyGraphs(self.model, self.caches, max_bs, self.num_spec_tokens, self.max_num_blocks_per_seq,
                               self.max_seq_len, self.block_size, self.device,
-                              thread_local_capture=self.parallel.is_parallel)
+                              thread_local_capture=self.parallel.is_parallel, mtp_drafts=self.engine.mtp_drafts)
         if capture_set(graphs, "speculative verify steps", self.parallel,
                        verify_graph_logits_bytes(self.engine, self.model_config)):
             self.verify_graphs = graphs

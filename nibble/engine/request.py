@@ -9,6 +9,7 @@ from functools import cached_property
 
 import torch
 
+from nibble.engine.ngram_proposer import TokenHistory
 from nibble.engine.prefix_cache import block_digests, salt_root
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.structured_output import GrammarState
@@ -96,6 +97,8 @@ class Request:
     cacheable: bool = True
     spec_slots: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    # n-gram drafting: the request's tokens as an array the proposer extends (ngram_proposer.py)
+    token_history: TokenHistory | None = field(default=None, repr=False)
     # sampling_params.prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     images: ImageInputs | None = field(default=None, repr=False)

@@ -142,20 +142,22 @@ def _following_image_rows(mm: MultimodalStep | None, cu: list[int]) -> tuple[tor
 @dataclass
 class _VerifyGraph:
     target: torch.cuda.CUDAGraph
-    draft: torch.cuda.CUDAGraph
+    draft: torch.cuda.CUDAGraph | None
     logits: torch.Tensor
-    drafts: torch.Tensor
+    drafts: torch.Tensor | None
 
 
 class VerifyGraphs:
     """CUDA graphs of verify steps for padded batch sizes up to max_batch_size: per size a target graph
     (forward pass of n rows per sequence and their logits) and a drafting graph (`draft_after_verify`),
-    sharing static inputs and one memory pool. Padded rows use block 0 and state slot 0 (scratch)."""
+    sharing static inputs and one memory pool. Padded rows use block 0 and state slot 0 (scratch). With
+    mtp_drafts false (n-gram drafts, found on the host) only the target graphs are captured."""
 
     def __init__(self, model: nn.Module, caches: ModelCaches, max_batch_size: int, num_spec_tokens: int,
                  max_num_blocks_per_seq: int, max_seq_len: int, block_size: int, device: torch.device,
-                 thread_local_capture: bool = False) -> None:
+                 thread_local_capture: bool = False, mtp_drafts: bool = True) -> None:
         self.model = model
+        self.mtp_drafts = mtp_drafts
         # tensor-parallel ranks capture NCCL collectives: see DecodeGraphs
         self.capture_error_mode = "thread_local" if thread_local_capture else "global"
         self.caches = caches
@@ -208,16 +210,19 @@ class VerifyGraphs:
         """Capture the target and drafting graphs of batch size bs into `self.pool` (which other graphs may
         share; the first capture makes it)."""
         hidden, _ = self._target(bs)
-        self._draft(bs, hidden)
+        if self.mtp_drafts:
+            self._draft(bs, hidden)
         torch.cuda.synchronize(self.device)
         target = torch.cuda.CUDAGraph()
         with torch.cuda.graph(target, pool=self.pool, capture_error_mode=self.capture_error_mode):
             hidden, logits = self._target(bs)
         if self.pool is None:
             self.pool = target.pool()
-        draft = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(draft, pool=self.pool, capture_error_mode=self.capture_error_mode):
-            drafts = self._draft(bs, hidden)
+        draft, drafts = None, None
+        if self.mtp_drafts:
+            draft = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(draft, pool=self.pool, capture_error_mode=self.capture_error_mode):
+                drafts = self._draft(bs, hidden)
         self.graphs[bs] = _VerifyGraph(target, draft, logits, drafts)
         self._hidden[bs] = hidden
 
@@ -267,5 +272,7 @@ class VerifyGraphs:
             self.tokens[b:bs].zero_()
             self.num_accepted[b:bs].zero_()
         g = self.graphs[bs]
+        if g.draft is None or g.drafts is None:
+            raise RuntimeError("these verify graphs were captured without the MTP drafting pass")
         g.draft.replay()
         return g.drafts

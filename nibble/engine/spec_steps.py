@@ -1,8 +1,10 @@
 """The model runner's steps under speculative decoding (spec_decode.py has the passes they run): a prefill step
 (the target, sampling of the rows that end their prompt, the MTP head over every chunk, drafts for the sampled
 rows) or a verify step (the target on each request's last token and drafts, acceptance, drafts after the kept
-tokens). Under tensor parallelism rank 0 runs `execute_spec` and the other ranks `follow_spec`: the same passes,
-with what rank 0 sampled or accepted sent to them in between, since the head's passes on every rank need it.
+tokens). With n-gram drafting (`mtp_drafts` false) the MTP passes are left out: the engine finds the next
+drafts in each request's tokens (ngram_proposer.py). Under tensor parallelism rank 0 runs `execute_spec` and
+the other ranks `follow_spec`: the same passes, with what rank 0 sampled or accepted sent to them in between,
+since the head's passes on every rank need it (not sent for n-gram drafting, which has no such passes).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class SpecSteps:
     device: torch.device
     block_size: int
     num_spec_tokens: int
+    # drafts from the MTP head (its passes run here, after each step), else from the engine (n-gram)
+    mtp_drafts: bool
     mixed_graphs: MixedGraphs | None
     verify_graphs: VerifyGraphs | None
     step_counts: dict[str, int]
@@ -114,11 +118,14 @@ class SpecSteps:
             self._add_image_inputs(batch, step.mm)
         mixed = self.mixed_graphs if step.mm is None and offsets is None else None
         size = mixed.padded_size(batch.num_tokens, step.num_seqs, batch.max_query_len) if mixed is not None else None
+        per_seq_rows = False
         if mixed is not None and size is not None:
-            # the target pass from its graph (every token's hidden row); the MTP head's pass below runs eagerly
+            # the target pass from its graph (every token's hidden row for the MTP head, else each sequence's
+            # last); the MTP head's pass below runs eagerly
             mixed.load(size, step.token_ids, step.context_lens, step.block_tables, step.state_slots,
                        self.block_size)
-            hidden = mixed.run(size, batch.num_tokens)
+            per_seq_rows = not mixed.full_hidden
+            hidden = mixed.run(size, step.num_seqs if per_seq_rows else batch.num_tokens)
             self.step_counts["mixed_graph" if mixed.replays(size) else "eager"] += 1
         else:
             hidden = self.model(batch, self.caches)
@@ -127,20 +134,24 @@ class SpecSteps:
         pending = None
         tokens = None
         if rows:
-            idx = batch.logits_indices[to_device_async(torch.tensor(rows, dtype=torch.int64), self.device)]
-            logits = self.model.compute_logits(hidden[idx])
+            picked = to_device_async(torch.tensor(rows, dtype=torch.int64), self.device)
+            logits = self.model.compute_logits(hidden[picked if per_seq_rows else batch.logits_indices[picked]])
             if requests is not None:
                 assert bitmask is not None
                 sampled = [requests[i] for i in rows]
                 pending = sample_launch(logits, sampled, generator, bitmask(sampled))
-            tokens = self._sampled_everywhere(pending.token_ids if pending is not None else None)
-        drafts = draft_after_prefill(self.model, self.caches, batch, hidden, step.next_token_ids, rows, tokens,
-                                     self.block_size, self.num_spec_tokens, offsets, step.mm)
+            if self.mtp_drafts:
+                tokens = self._sampled_everywhere(pending.token_ids if pending is not None else None)
+        drafts = None
+        if self.mtp_drafts:
+            drafts = draft_after_prefill(self.model, self.caches, batch, hidden, step.next_token_ids, rows, tokens,
+                                         self.block_size, self.num_spec_tokens, offsets, step.mm)
         if requests is None:
             return None
-        if pending is None or drafts is None:
+        if pending is None:
             return SpecStepOutput([], [], [], [], [])
-        host_drafts = drafts.cpu().tolist()
+        # n-gram drafts are found by the engine from the request's tokens
+        host_drafts = drafts.cpu().tolist() if drafts is not None else [[] for _ in rows]
         result = pending.result()
         return SpecStepOutput(rows, [[t] for t in result.token_ids], host_drafts, result.bad_rows,
                               [[lp] if lp is not None else None for lp in result.logprobs])
@@ -169,16 +180,22 @@ class SpecSteps:
             host_drafts = [t[1:] for t in step.token_ids]
             drafts_in = to_device_async(torch.tensor(host_drafts, dtype=torch.int64), self.device)
             acc = accept_drafts(logits, drafts_in, requests, generator, bitmask(requests), host_drafts)
-            kept = self._sampled_everywhere(torch.cat((acc.tokens, acc.num_accepted[:, None]), dim=1))
+        if self.mtp_drafts:
+            if acc is not None:
+                kept = self._sampled_everywhere(torch.cat((acc.tokens, acc.num_accepted[:, None]), dim=1))
+            else:
+                kept = self._sampled_everywhere(None).view(num_seqs, n + 1)
+            tokens, num_accepted = kept[:, :n], kept[:, n]
+            if graphs is not None and bs is not None:
+                drafts = graphs.run_draft(bs, tokens, num_accepted)[:num_seqs]
+            else:
+                drafts = draft_after_verify(self.model, self.caches, batch, hidden,
+                                            batch.input_ids.view(num_seqs, n), tokens, num_accepted,
+                                            self.block_size, self.num_spec_tokens,
+                                            max(step.context_lens) + 2 * self.num_spec_tokens)
         else:
-            kept = self._sampled_everywhere(None).view(num_seqs, n + 1)
-        tokens, num_accepted = kept[:, :n], kept[:, n]
-        if graphs is not None and bs is not None:
-            drafts = graphs.run_draft(bs, tokens, num_accepted)[:num_seqs]
-        else:
-            drafts = draft_after_verify(self.model, self.caches, batch, hidden, batch.input_ids.view(num_seqs, n),
-                                        tokens, num_accepted, self.block_size, self.num_spec_tokens,
-                                        max(step.context_lens) + 2 * self.num_spec_tokens)
+            # n-gram drafts come from the engine, after it has appended the kept tokens
+            drafts = torch.empty(num_seqs, 0, dtype=torch.int64, device=self.device)
         if requests is None or acc is None:
             return None
         host = torch.cat((acc.tokens, acc.num_accepted[:, None], acc.bad[:, None].long(), drafts), dim=1).cpu()

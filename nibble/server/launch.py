@@ -164,8 +164,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "one prefix's recurrent state (default: 16)")
     engine.add_argument("--speculative-config", default=None,
                         help="speculative decoding, as vLLM's flag: "
-                             '\'{"method": "mtp", "num_speculative_tokens": 2}\' drafts with the model\'s MTP head '
-                             "(default: off)")
+                             '\'{"method": "mtp", "num_speculative_tokens": 2}\' drafts with the model\'s MTP head; '
+                             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                             '"prompt_lookup_min": 2}\' drafts the tokens that followed the last n-gram where it '
+                             "occurred before in the prompt or output (no draft model) (default: off)")
     engine.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="draft tokens per step from the model's MTP head (0 = off; default: 0)")
     engine.add_argument("--cuda-graph-max-batch-size", "--max-cudagraph-capture-size", type=int, default=None,

@@ -382,3 +382,26 @@ def test_thinking_budget_on_gpu(num_spec: int) -> None:
             assert tokens[:b] == free_tokens[:b] and tokens[b] == END
     stats = llm.engine.stats()
     assert stats["model_steps_verify_graph" if num_spec else "model_steps_decode_graph"] > 0, stats
+
+
+def test_ngram_speculation_on_gpu() -> None:
+    """n-gram drafts on the GPU (fp32): verify graphs captured without the MTP drafting pass and prefill steps
+    from mixed graphs that keep each sequence's last hidden row give plain decoding's greedy outputs, on
+    prompts that repeat themselves (so drafts are accepted) and on random ones."""
+    from tests.test_ngram_spec import _repetitive_prompts
+
+    prompts = _repetitive_prompts(6, seed=1) + _prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = LLM(device="cuda", dtype="float32", max_model_len=256, async_scheduling=False, warmup=False,
+                extra={"num_kv_blocks": 256})
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    llm = LLM(device="cuda", dtype="float32", max_model_len=256, num_speculative_tokens=3,
+              speculative_method="ngram", prompt_lookup_min=2, prompt_lookup_max=4, warmup=False,
+              extra={"num_kv_blocks": 256})
+    assert llm.engine.model.mtp is None and llm.engine.runner.verify_graphs is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    stats = llm.engine.stats()
+    assert stats["model_steps_verify_graph"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
+    assert llm.engine.blocks.all_free()
