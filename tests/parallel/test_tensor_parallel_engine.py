@@ -93,14 +93,17 @@ def test_priority_scheduling_tp2_matches_single_process(checkpoints: dict[str, P
         llm.engine.shutdown()
 
 
-def test_speculative_decoding_tp2_matches_single_process(checkpoints: dict[str, Path],
-                                                         expected: list[list[int]]) -> None:
-    """MTP speculative decoding under tensor parallelism: rank 1 follows every prefill and verify step, receives
-    what rank 0 sampled or accepted, and drafts with its share of the head. Drafts are the expected
-    continuation (so that verify steps accept some: rank 0 sets them in the step inputs both ranks get), every
-    third one corrupted; the generations equal the single-process engine's without speculation."""
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculative_decoding_tp2_matches_single_process(checkpoints: dict[str, Path], expected: list[list[int]],
+                                                         method: str) -> None:
+    """Speculative decoding under tensor parallelism: rank 1 follows every prefill and verify step; with MTP
+    drafts it receives what rank 0 sampled or accepted and drafts with its share of the head, with n-gram
+    drafts (found by rank 0's engine) it runs the target passes alone. Drafts are the expected continuation
+    (so that verify steps accept some: rank 0 sets them in the step inputs both ranks get), every third one
+    corrupted; the generations equal the single-process engine's without speculation."""
     model = str(checkpoints["fp32"])
-    llm = LLM(model=model, tensor_parallel_size=2, num_speculative_tokens=2, **ENGINE_ARGS)
+    llm = LLM(model=model, tensor_parallel_size=2, num_speculative_tokens=2, speculative_method=method,
+              **ENGINE_ARGS)
     engine = llm.engine
     refs = {tuple(p): p + e for p, e in zip(_prompts(engine.model_config.vocab_size), expected)}
     real = engine.runner.execute_spec
