@@ -1,4 +1,4 @@
-"""The `nibble` command: generate | chat | serve | quantize | doctor | bench {serve,latency}.
+"""The `nibble` command: generate | serve | run-batch | quantize | doctor | bench {serve,latency}.
 
 Each subcommand's flags and work live in its package (`add_cli_args` / `run_cli`); this module only
 dispatches, sets up logging and turns expected errors into one clear line and a non-zero exit code.
@@ -115,7 +115,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-LAZY_COMMANDS = {("serve",): "nibble.server.launch", ("quantize",): "nibble.checkpoint.quantize",
+LAZY_COMMANDS = {("serve",): "nibble.server.launch", ("run-batch",): "nibble.server.run_batch",
+                 ("quantize",): "nibble.checkpoint.quantize",
                  ("doctor",): "nibble.doctor", ("bench", "serve"): "nibble.bench.serve",
                  ("bench", "latency"): "nibble.bench.latency"}
 
@@ -123,7 +124,8 @@ LAZY_COMMANDS = {("serve",): "nibble.server.launch", ("quantize",): "nibble.chec
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in argv imports its module (keeps --help and startup fast)."""
     argv = argv or []
-    first = next((i for i, a in enumerate(argv) if a in {"generate", "serve", "quantize", "doctor", "bench"}), None)
+    commands = {"generate", *(key[0] for key in LAZY_COMMANDS)}
+    first = next((i for i, a in enumerate(argv) if a in commands), None)
     words = argv[first:first + 2] if first is not None else []
     parser = argparse.ArgumentParser(prog="nibble", description="Inference server for NVFP4 Qwen3.5-MoE models")
     parser.add_argument("--log-level", default=os.environ.get("NIBBLE_LOG_LEVEL", "INFO"))
@@ -139,6 +141,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     subparsers = {
         ("serve",): sub.add_parser("serve", help="OpenAI-compatible HTTP server"),
+        ("run-batch",): sub.add_parser("run-batch", help="answer a file of OpenAI batch requests offline "
+                                                         "(vLLM's run-batch)"),
         ("quantize",): sub.add_parser("quantize", help="BF16 Hugging Face checkpoint -> ModelOpt NVFP4 checkpoint"),
         ("doctor",): sub.add_parser("doctor", help="check the stack: GPUs, Triton, kernel self-tests, a checkpoint"),
     }

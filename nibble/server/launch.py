@@ -46,9 +46,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                        help="model name(s) clients use in requests and see in /v1/models (default: --model); "
-                             "responses carry the first")
     server.add_argument("--api-key", default=os.environ.get("NIBBLE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $NIBBLE_API_KEY, else none)")
     # SUPPRESS: when `nibble --log-level X serve` set it on the parent parser, an unset flag here must not
@@ -77,12 +74,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--root-path", default="",
                         help="behind a proxy that serves the API under a path prefix and strips it before forwarding: "
                              "that prefix (ASGI root_path, as vLLM's), e.g. /nibble")
-    server.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template, or the path of a file holding one, in place of the model's")
-    server.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
-                        default=None, metavar="JSON",
-                        help="chat template kwargs of every chat request that does not set them itself, e.g. "
-                             "'{\"enable_thinking\": false}' (chat completions, responses, messages, /tokenize)")
+    return add_engine_cli_args(parser)
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the model, engine, media and chat-template flags (those that shape response bodies) on `parser`
+    and return it: shared by `nibble serve` and `nibble run-batch`, which answer requests alike."""
+    responses = parser.add_argument_group("model name and chat template")
+    responses.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                           help="model name(s) clients use in requests and see in /v1/models (default: --model); "
+                                "responses carry the first")
+    responses.add_argument("--chat-template", default=None,
+                           help="a Jinja chat template, or the path of a file holding one, in place of the model's")
+    responses.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+                           default=None, metavar="JSON",
+                           help="chat template kwargs of every chat request that does not set them itself, e.g. "
+                                "'{\"enable_thinking\": false}' (chat completions, responses, messages, /tokenize)")
 
     media = parser.add_argument_group(
         "image URLs", "images given as http(s):// URLs are fetched by the server, as vLLM does; by default from any "
@@ -269,7 +276,7 @@ def _check_tls(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _app_settings(args: argparse.Namespace) -> dict[str, Any]:
+def app_settings(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's response-store and chat-template-defaults arguments for the flags given (else the app's
     defaults)."""
     names = getattr(args, "served_model_name", None)
@@ -374,7 +381,7 @@ def _serve(engine: Any, sock: socket.socket, args: argparse.Namespace) -> int:
     names = args.served_model_name
     app = build_app(engine, api_key=args.api_key or None, served_model_name=names[0] if names else None,
                     owns_engine=True, cors=cors_settings(args),
-                    **_app_settings(args))
+                    **app_settings(args))
     # A bounded graceful shutdown: open streams are cut (and their requests aborted) after this long. No access
     # log: nibble logs one line per request itself (serving_base.log_request).
     config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,

@@ -23,7 +23,7 @@ from nibble.engine.sampling_params import SamplingParams, SamplingParamsError
 from nibble.models.config import ModelConfig
 from nibble.models.quant_config import QuantConfigError, check_quantization
 from nibble.server.compat_args import log_compat_notes
-from nibble.server.launch import _app_settings, add_cli_args, engine_config_kwargs, run_cli
+from nibble.server.launch import add_cli_args, app_settings, engine_config_kwargs, run_cli
 from nibble.server.reasoning import THINK_END, THINK_START
 
 from .conftest import ServerHandle, make_engine, start_server
@@ -287,7 +287,7 @@ def test_several_served_model_names(engine: AsyncEngine) -> None:
     answers as /health does."""
     args = parse("--served-model-name", "qwen35", "Qwen/Qwen3.5-122B-A10B")
     assert config_of("--served-model-name", "qwen35", "Qwen/Qwen3.5-122B-A10B").served_model_name == "qwen35"
-    assert _app_settings(args)["served_model_aliases"] == ("Qwen/Qwen3.5-122B-A10B",)
+    assert app_settings(args)["served_model_aliases"] == ("Qwen/Qwen3.5-122B-A10B",)
     handle = start_server(engine, served_model_name="qwen35", served_model_aliases=("Qwen/Qwen3.5-122B-A10B",))
     try:
         listed = httpx.get(handle.url + "/v1/models").json()["data"]
@@ -304,8 +304,8 @@ def test_several_served_model_names(engine: AsyncEngine) -> None:
 
 def test_force_include_usage(engine: AsyncEngine) -> None:
     """--enable-force-include-usage: a stream that does not ask for usage still ends with a usage chunk."""
-    assert _app_settings(parse("--enable-force-include-usage"))["force_include_usage"] is True
-    assert "force_include_usage" not in _app_settings(parse("--enable-prompt-tokens-details"))
+    assert app_settings(parse("--enable-force-include-usage"))["force_include_usage"] is True
+    assert "force_include_usage" not in app_settings(parse("--enable-prompt-tokens-details"))
     handle = start_server(engine, force_include_usage=True)
     try:
         for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": USER})):
