@@ -153,6 +153,11 @@ stage_latency122() {
   run latency122 170 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
     --batch-sizes 1,8,32,128 --input-len 1024 --output-len 64 --max-num-seqs 128 --output-json "$OUT/latency122.json"
 }
+stage_throughput35() {  # offline throughput, all prompts at once (`nibble bench throughput`), 35B-A3B dummy weights
+  run throughput35 240 python3 -m nibble.cli bench throughput --model $M/Qwen3.5-35B-A3B-NVFP4 --load-format dummy \
+    --tokenizer .bench_assets --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --disable-tqdm \
+    --output-json "$OUT/throughput35.json"
+}
 
 stage_tmae2e() {  # end-to-end prefill and decode of the 122B layer stack with the table's TMA fields, without them
   # (every gu_tma / dn_tma zeroed in the working copy of the table), and with them again; second iteration reported

@@ -118,7 +118,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 LAZY_COMMANDS = {("serve",): "nibble.server.launch", ("run-batch",): "nibble.server.run_batch",
                  ("quantize",): "nibble.checkpoint.quantize",
                  ("doctor",): "nibble.doctor", ("bench", "serve"): "nibble.bench.serve",
-                 ("bench", "latency"): "nibble.bench.latency"}
+                 ("bench", "latency"): "nibble.bench.latency",
+                 ("bench", "throughput"): "nibble.bench.throughput"}
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -150,6 +151,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     subparsers[("bench", "serve")] = bsub.add_parser("serve", help="load generator for any OpenAI-compatible server")
     subparsers[("bench", "latency")] = bsub.add_parser("latency", help="offline decode step time and tok/s vs roofline")
+    subparsers[("bench", "throughput")] = bsub.add_parser("throughput", help="offline requests/s and tokens/s of the "
+                                                          "engine, all prompts at once (vllm bench throughput)")
     for key, module in LAZY_COMMANDS.items():
         if tuple(words[: len(key)]) == key:
             import importlib
