@@ -1,4 +1,4 @@
-"""The `nibble` command: generate | serve | run-batch | quantize | doctor | bench {serve,latency}.
+"""The `nibble` command: generate | serve | run-batch | quantize | doctor | bench {serve,latency,throughput}.
 
 Each subcommand's flags and work live in its package (`add_cli_args` / `run_cli`); this module only
 dispatches, sets up logging and turns expected errors into one clear line and a non-zero exit code.
