@@ -16,6 +16,7 @@ either may be an http(s):// or file:// URL, fetched under the engine's media pol
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -81,32 +82,37 @@ class LLM:
             if priority is not None:
                 copy.priority = priority[i]
             self.engine.check_priority(copy)
-        ids: list[str] = []
+        # per prompt, its choices' engine requests (n > 1: one request per choice, as vLLM fans them out)
+        groups: list[list[str]] = []
+        first = self._counter + 1
         try:
             for p, copy in zip(items, copies):
                 self._counter += 1
-                rid = f"offline-{self._counter}"
                 prompt, raw_images, raw_videos = p
+                images = videos = None
                 if raw_images or raw_videos:
                     prompt, images, videos = self.engine.prepare_media(prompt, raw_images, raw_videos)
-                    self.engine.add_request(rid, prompt, copy, images=images, videos=videos)
-                else:
-                    self.engine.add_request(rid, prompt, copy)
-                ids.append(rid)
+                group: list[str] = []
+                groups.append(group)
+                for j in range(copy.n):
+                    rid = f"offline-{self._counter}" if copy.n == 1 else f"offline-{self._counter}-{j}"
+                    self.engine.add_request(rid, prompt, copy.for_choice(j) if copy.n > 1 else copy,
+                                            images=images, videos=videos)
+                    group.append(rid)
         except Exception:
             # a prompt the engine refuses: the ones before it must not stay queued for the next call
-            for rid in ids:
+            for rid in (r for group in groups for r in group):
                 self.engine.abort_request(rid)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        bar = tqdm(total=sum(len(g) for g in groups), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [results[r] for r in ids]
+        return [_merge_choices([results[r] for r in group], f"offline-{first + i}") for i, group in enumerate(groups)]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
@@ -162,7 +168,20 @@ def _is_video_with_metadata(video: Any) -> bool:
     return isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict)
 
 
-def _copy(sp: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
+def _merge_choices(outs: list[RequestOutput], request_id: str) -> RequestOutput:
+    """One prompt's RequestOutput (request_id) from its choices' (parallel sampling): the first one's, holding
+    every choice's CompletionOutput, indexed 0..n-1, and the first error any of them met."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    choices = []
+    for j, out in enumerate(outs):
+        choice = out.outputs[0]
+        choice.index = j
+        choices.append(choice)
+    error = next((o.error for o in outs if o.error), None)
+    return replace(first, request_id=request_id, outputs=choices, error=error)
 
+
+def _copy(sp: SamplingParams) -> SamplingParams:
     return replace(sp, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))

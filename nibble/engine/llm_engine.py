@@ -276,6 +276,9 @@ class LLMEngine(VisionPrompts):
         temporal patch's video_token_id placeholders (`expand_video_prompt`)."""
         params = params or SamplingParams()
         params.validate()
+        if params.n != 1:
+            raise RequestError(f"n must be 1 for one engine request (one sequence), got {params.n}; LLM.generate "
+                               "and the server run each choice as a request of its own (SamplingParams.for_choice)")
         self.check_priority(params)
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nibble.engine.structured_output import StructuredOutputsParams
 
@@ -13,6 +13,8 @@ MAX_LOGIT_BIAS = 1024
 # bad_words are matched against the generated tokens of every sampled row on the engine thread: bound the list
 # (vLLM's own limit is 128 words).
 MAX_BAD_WORDS = 128
+# Seeds the sampler's torch.Generator accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class SamplingParamsError(ValueError):
@@ -92,7 +94,7 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(f"{name} {msg}, got {getattr(self, name)!r}")
 
-        check(self.n == 1, "n", "must be 1 (parallel sampling is not supported)")
+        check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n", "must be an integer >= 1")
         check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and (self.top_k <= 0 or self.top_k >= 1), "top_k", "must be an integer")
@@ -166,6 +168,17 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise SamplingParamsError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n (parallel sampling: each choice is its own engine request): a
+        copy with n = 1 (the engine completes max_tokens in place) and, when a seed is given, seed + index, so
+        that seeded choices differ from each other and stay reproducible."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > SEED_MAX:
+                seed -= SEED_MAX - SEED_MIN + 1
+        return replace(self, n=1, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,6 @@ and the one log line per request."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import re
@@ -21,7 +20,7 @@ from nibble.engine.async_engine import AsyncEngine, EngineDead
 from nibble.engine.chat_template import ChatTemplateError
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.request import RequestOutput
-from nibble.engine.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
+from nibble.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, truncate_prompt
 from nibble.engine.structured_output import StructuredOutputError, StructuredOutputsParams
 from nibble.models.multimodal import ImageInputs, VideoInputs, take_media
 from nibble.server.engine_streams import EngineJob, EngineStreams
@@ -60,9 +59,6 @@ UNSUPPORTED_FIELDS = {
 
 # Request bodies above this size are refused (413): even a 256k-token prompt as JSON is far smaller.
 MAX_BODY_BYTES = 64 * 2**20
-
-# Seeds the sampler's torch.Generator accepts.
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def reject_unsupported(body: Mapping[str, Any], fields: Mapping[str, str]) -> None:
@@ -367,8 +363,8 @@ class OpenAIServing:
                 value = self.sampling_defaults.get(name)
             if value is not None:
                 values[name] = value
-        if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
-            raise bad_request(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {req.seed}", param="seed")
+        if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+            raise bad_request(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", param="seed")
         # checked here, not left to the engine, so that the 400 names this endpoint's field
         self.check_logprobs(logprobs, "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs")
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -406,16 +402,8 @@ class OpenAIServing:
 
     @staticmethod
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-        """Parameters of the n choices of one prompt, each its own engine request: copies (the engine
-        completes max_tokens in place), with seed + j for choice j when a seed is given, so that seeded
-        choices differ from each other and stay reproducible."""
-        def seed(j: int) -> int | None:
-            if params.seed is None:
-                return None
-            s = params.seed + j
-            return s if s <= _SEED_MAX else s - (_SEED_MAX - _SEED_MIN + 1)
-
-        return [dataclasses.replace(params, seed=seed(j)) for j in range(n)]
+        """Parameters of the n choices of one prompt, each its own engine request (`SamplingParams.for_choice`)."""
+        return [params.for_choice(j) for j in range(n)]
 
     def engine_streams(self, jobs: list[EngineJob]) -> EngineStreams:
         """Engine requests for `jobs`, recording metrics for each as it ends."""
