@@ -85,6 +85,16 @@ def test_random_counts_rates_and_report(tmp_path: Path, sent: Sent, capsys: pyte
     assert "Total num prompt tokens:  64" in printed and "Total num output tokens:  12" in printed
 
 
+def test_parallel_sampling_counts_every_sequence(tmp_path: Path, sent: Sent) -> None:
+    rc, doc = run(tmp_path, "--num-prompts", "2", "--n", "3", "--input-len", "8", "--output-len", "2")
+    assert rc == 0
+    bench = sent.bench
+    assert len(bench) == 6 and len({tuple(p) for _, p, _, _ in bench}) == 2  # one engine request per sequence
+    assert doc["num_requests"] == 2
+    assert doc["total_prompt_tokens"] == 2 * 8 and doc["total_output_tokens"] == 2 * 3 * 2
+    check_rates(doc)
+
+
 def test_random_lengths_and_prefix_are_counted_as_sent(tmp_path: Path, sent: Sent) -> None:
     rc, doc = run(tmp_path, "--num-prompts", "4", "--input-len", "12", "--output-len", "4",
                   "--random-range-ratio", "0.5", "--prefix-len", "4")
@@ -215,6 +225,7 @@ def test_token_count_mismatch_is_an_error(tmp_path: Path, monkeypatch: pytest.Mo
     (["--input-len", "0"], "--input-len must be >= 1, got 0"),
     (["--output-len", "-2"], "--output-len must be >= 1, got -2"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--n", "0"], "--n must be >= 1, got 0"),
     (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1)"),
     (["--dataset-name", "sharegpt"], "the sharegpt dataset reads a file: pass --dataset-path"),
     (["--dataset-path", "/nonexistent/sg.json"], "dataset file /nonexistent/sg.json does not exist"),

@@ -61,6 +61,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                       help="sharegpt: JSON list of conversations; custom: JSON lines with 'prompt' (and optional "
                            "'output_tokens')")
     data.add_argument("--num-prompts", type=int, default=1000, help="requests submitted at once (default: 1000)")
+    data.add_argument("--n", type=int, default=1,
+                      help="sequences generated per prompt (parallel sampling, seeded choices; prompt tokens count "
+                           "once per prompt, output tokens for every sequence; default: 1)")
     data.add_argument("--input-len", type=int, default=None,
                       help=f"random: prompt tokens per request (default: {DEFAULT_INPUT_LEN})")
     data.add_argument("--output-len", type=int, default=None,
@@ -95,7 +98,8 @@ def dataset_name(args: argparse.Namespace) -> str:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse values that cannot work, naming the flag, before anything is loaded."""
     name = dataset_name(args)
-    positive = {"--num-prompts": args.num_prompts, "--input-len": args.input_len, "--output-len": args.output_len,
+    positive = {"--num-prompts": args.num_prompts, "--n": args.n, "--input-len": args.input_len,
+                "--output-len": args.output_len,
                 "--prefix-repetition-output-len": args.prefix_repetition_output_len}
     if name == "prefix_repetition":
         positive["--prefix-repetition-prefix-len"] = args.prefix_repetition_prefix_len
@@ -202,11 +206,11 @@ def model_context_len(args: argparse.Namespace) -> int:
     return check_max_model_len(args.max_model_len, config)
 
 
-def sampling_params(output_len: int) -> Any:
-    """vLLM's throughput settings: plain sampling at temperature 1, exactly `output_len` tokens."""
+def sampling_params(output_len: int, n: int = 1) -> Any:
+    """vLLM's throughput settings: plain sampling at temperature 1, exactly `output_len` tokens, n sequences."""
     from nibble.engine.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+    return SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
 
 
 def warm_up(engine: Any, requests: list[SampleRequest]) -> None:
@@ -252,15 +256,17 @@ class ThroughputResult:
                 "tokens_per_second": total / t, "output_tokens_per_second": output / t}
 
 
-def check_outputs(requests: list[SampleRequest], outputs: list[Any]) -> None:
-    """ThroughputRunError unless every request read its prompt and generated exactly its output length."""
+def check_outputs(requests: list[SampleRequest], outputs: list[Any], n: int = 1) -> None:
+    """ThroughputRunError unless every request read its prompt and generated n sequences of exactly its output
+    length."""
     problems = []
     for i, (req, out) in enumerate(zip(requests, outputs)):
-        got_in, got_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-        if out.error or got_in != req.prompt_len or got_out != req.output_len:
+        got_in, got_out = len(out.prompt_token_ids), [len(c.token_ids) for c in out.outputs]
+        if out.error or got_in != req.prompt_len or got_out != [req.output_len] * n:
             error = f" ({out.error})" if out.error else ""
-            problems.append(f"request {i}: {got_in} prompt / {got_out} output tokens, expected {req.prompt_len} / "
-                            f"{req.output_len}{error}")
+            shown = got_out[0] if n == 1 and got_out else got_out
+            problems.append(f"request {i}: {got_in} prompt / {shown} output tokens, expected {req.prompt_len} / "
+                            f"{req.output_len}{f' x {n}' if n > 1 else ''}{error}")
     if len(outputs) != len(requests):
         problems.insert(0, f"{len(outputs)} outputs for {len(requests)} requests")
     if problems:
@@ -269,13 +275,13 @@ def check_outputs(requests: list[SampleRequest], outputs: list[Any]) -> None:
                                  f"reported: {'; '.join(problems[:3])}{more}")
 
 
-def run_throughput(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False) -> ThroughputResult:
-    """Submit every request to `llm.generate` at once and time that call; the counts come from the outputs and
-    are checked against the requests (`check_outputs`)."""
+def run_throughput(llm: Any, requests: list[SampleRequest], use_tqdm: bool = False, n: int = 1) -> ThroughputResult:
+    """Submit every request (n sequences each) to `llm.generate` at once and time that call; the counts come
+    from the outputs and are checked against the requests (`check_outputs`)."""
     import torch
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
-    params = [sampling_params(r.output_len) for r in requests]
+    params = [sampling_params(r.output_len, n) for r in requests]
     device = llm.engine.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -284,11 +290,11 @@ def run_throughput(llm: Any, requests: list[SampleRequest], use_tqdm: bool = Fal
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    check_outputs(requests, outputs)
+    check_outputs(requests, outputs, n)
     return ThroughputResult(
         elapsed_time=elapsed, num_requests=len(outputs),
         total_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-        total_output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        total_output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         num_cached_tokens=sum(o.num_cached_tokens for o in outputs))
 
 
@@ -332,7 +338,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"device {llm.engine.device}, {data_cfg.dataset_label()}, {len(requests)} prompts", flush=True)
     warm_up(llm.engine, requests)
     try:
-        result = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm)
+        result = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm, n=args.n)
     except ThroughputRunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
