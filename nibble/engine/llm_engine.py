@@ -192,6 +192,9 @@ class LLMEngine(VisionPrompts):
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # verify steps' sequences with drafts, and how often the draft at each position was accepted
+        self.num_drafts = 0
+        self.num_accepted_per_pos = [0] * self.num_spec_tokens
         if config.warmup and self.device.type == "cuda":
             try:
                 self.warm_up()
@@ -252,6 +255,8 @@ class LLMEngine(VisionPrompts):
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_drafts = 0
+        self.num_accepted_per_pos = [0] * self.num_spec_tokens
         self.scheduler.num_prefix_query_tokens = 0
         self.scheduler.num_prefix_hit_tokens = 0
         self.runner.step_counts = dict.fromkeys(self.runner.step_counts, 0)
@@ -395,6 +400,8 @@ class LLMEngine(VisionPrompts):
                 "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_drafts": self.num_drafts,
+                **{f"spec_decode_num_accepted_tokens_pos_{i}": n for i, n in enumerate(self.num_accepted_per_pos)},
                 **{f"model_steps_{kind}": n for kind, n in self.runner.step_counts.items()}}
 
     def step(self) -> list[RequestOutput]:
@@ -458,6 +465,9 @@ class LLMEngine(VisionPrompts):
             if sched.spec_verify and i in drafted:
                 self.num_draft_tokens += self.num_spec_tokens
                 self.num_accepted_tokens += len(tokens) - 1
+                self.num_drafts += 1
+                for pos in range(len(tokens) - 1):
+                    self.num_accepted_per_pos[pos] += 1
             if j in out.bad_rows:
                 outputs.append(self._fail_non_finite(req, self.num_steps, sched))
                 continue

@@ -9,6 +9,7 @@ Anthropic's /v1/messages routes in Anthropic's shape (`{"type": "error", "error"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +36,7 @@ from nibble.server.serving_completions import CompletionServing
 from nibble.server.serving_messages import MessagesServing
 from nibble.server.serving_responses import ResponsesServing
 from nibble.server.serving_tokenize import TokenizeServing
+from nibble.server.stat_logger import StatLogger
 from nibble.server.unhandled import UnhandledErrors
 
 logger = logging.getLogger("nibble.server")
@@ -86,7 +88,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
               owns_engine: bool = False, cors: dict[str, Any] | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               default_chat_template_kwargs: dict[str, Any] | None = None,
-              served_model_aliases: tuple[str, ...] = (), force_include_usage: bool = False) -> FastAPI:
+              served_model_aliases: tuple[str, ...] = (), force_include_usage: bool = False,
+              log_stats_interval_s: float | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`.
 
     `api_key`: when set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <api_key>` (health,
@@ -101,6 +104,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     `served_model_aliases`: more names requests may use (vLLM's --served-model-name A B ...: all are listed in
     /v1/models, responses carry the first). `force_include_usage`: streamed completions and chat completions
     end with a usage chunk even when they do not ask for one (vLLM's --enable-force-include-usage).
+    `log_stats_interval_s`: log the engine's throughput, queues and cache figures this often while it works
+    (stat_logger.py; `nibble serve` sets it unless --disable-log-stats); None logs none.
     """
     core = engine_core(engine)
     served = served_model_name or core.model_name
@@ -120,7 +125,13 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.info("serving '%s' (max_model_len %d)%s", served, core.max_model_len,
                     " with API key" if api_key else "")
+        stat_task = (asyncio.create_task(StatLogger(engine.stats).run(log_stats_interval_s))
+                     if log_stats_interval_s else None)
         yield
+        if stat_task is not None:
+            stat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stat_task
         if owns_engine:
             await asyncio.to_thread(engine.shutdown)
 

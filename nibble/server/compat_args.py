@@ -42,6 +42,10 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         help="(nibble runs no code from the checkpoint; accepted and ignored)")
     compat.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
                         help="(nibble does not log request contents)")
+    compat.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic statistics lines (throughput, queues, KV-cache usage, prefix-cache hit "
+                             "rate, speculative acceptance), which are otherwise logged every 10 s while the engine "
+                             "works")
     compat.add_argument("--enable-log-requests", action="store_true",
                         help="(nibble logs one line per request, its id, status, token counts and time, never its "
                              "contents; accepted and ignored)")

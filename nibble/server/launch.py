@@ -277,10 +277,13 @@ def _check_tls(args: argparse.Namespace) -> str | None:
 
 
 def app_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """build_app's response-store and chat-template-defaults arguments for the flags given (else the app's
-    defaults)."""
+    """build_app's response-store, chat-template-defaults and stats-logging arguments for the flags given (else
+    the app's defaults)."""
+    from nibble.server.stat_logger import LOG_STATS_INTERVAL_S
+
     names = getattr(args, "served_model_name", None)
     settings = {"max_stored_responses": getattr(args, "max_stored_responses", None),
+                "log_stats_interval_s": None if getattr(args, "disable_log_stats", False) else LOG_STATS_INTERVAL_S,
                 "served_model_aliases": tuple(names[1:]) if isinstance(names, list) and len(names) > 1 else None,
                 "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
                 "force_include_usage": getattr(args, "enable_force_include_usage", None) or None}

@@ -30,6 +30,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
+def spec_positions(stats: dict[str, float]) -> int:
+    """Draft positions the engine's stats count acceptances for (num_speculative_tokens; 0 without)."""
+    n = 0
+    while f"spec_decode_num_accepted_tokens_pos_{n}" in stats:
+        n += 1
+    return n
+
+
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine at scrape time."""
 
@@ -65,10 +73,18 @@ class _EngineCollector(Collector):
                       stats.get("prefix_cache_queries", 0))
         yield counter("nibble:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       stats.get("prefix_cache_hits", 0))
-        yield counter("nibble:spec_decode_num_draft_tokens", "Draft tokens proposed by the MTP head.",
+        yield counter("nibble:spec_decode_num_drafts", "Sequences of verify steps that fed drafts.",
+                      stats.get("spec_decode_num_drafts", 0))
+        yield counter("nibble:spec_decode_num_draft_tokens", "Draft tokens proposed (MTP head or n-gram lookup).",
                       stats.get("spec_decode_num_draft_tokens", 0))
         yield counter("nibble:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target model.",
                       stats.get("spec_decode_num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily("nibble:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position among a step's drafts.",
+                                      labels=[*labels, "position"])
+        for pos in range(spec_positions(stats)):
+            per_pos.add_metric([*values, str(pos)], stats[f"spec_decode_num_accepted_tokens_pos_{pos}"])
+        yield per_pos
         steps = CounterMetricFamily("nibble:model_steps", "Model steps by how they ran: replayed from a decode, "
                                     "mixed prefill/decode or speculative-verify CUDA graph, or eagerly.",
                                     labels=[*labels, "mode"])
@@ -80,8 +96,9 @@ class _EngineCollector(Collector):
 # nibble's metrics that vLLM has under the same name with its `vllm:` prefix
 VLLM_NAMES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
-    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens", "request_success", "time_to_first_token_seconds",
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "request_success", "time_to_first_token_seconds",
     "time_per_output_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
     "request_generation_tokens",
 })
