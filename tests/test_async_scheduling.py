@@ -188,7 +188,7 @@ def test_pending_tokens_in_token_slice_and_runner_inputs() -> None:
 def test_a_failed_deferred_sampling_still_delivers_the_outputs_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deferred sampling of the queued step fails after the step before it has been handled (one request
     finished there): that request's final output is still returned, and the next call raises."""
-    from nibble.engine import llm_engine
+    from nibble.engine import engine_steps
 
     llm = LLM(device="cpu", max_model_len=256)
     engine = llm.engine
@@ -196,14 +196,14 @@ def test_a_failed_deferred_sampling_still_delivers_the_outputs_before_it(monkeyp
     engine.add_request("a", a, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, repetition_penalty=1.2))
     engine.add_request("b", b, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                                               repetition_penalty=1.2))
-    real = llm_engine.sample_launch
+    real = engine_steps.sample_launch
 
     def failing(*args, own_pending=0, **kwargs):  # type: ignore[no-untyped-def]
         if own_pending and "a" not in engine.requests:  # "a" has ended and its output was built
             raise RuntimeError("injected sampling failure")
         return real(*args, own_pending=own_pending, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "sample_launch", failing)
+    monkeypatch.setattr(engine_steps, "sample_launch", failing)
     finished = {}
     with pytest.raises(RuntimeError, match="injected"):
         while engine.has_unfinished_requests():
