@@ -8,15 +8,16 @@ loader's rules; only scalar scales are read for that. Block scales (e4m3, one by
 afterwards and checked for NaN and negative values; `deep=True` also reads every weight (finite floats, no
 non-zero FP4 block under a zero scale). Problems become `Finding`s instead of exceptions, so one run reports
 all of them.
+
+The report itself (`Finding`, `CheckpointReport`, `render_report`) is in validate_report.py and the reading of
+the index and the shard headers in validate_shards.py; the report's names are re-exported here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,15 @@ import torch
 
 from nibble.checkpoint.loader import SKIPPED_PREFIXES
 from nibble.checkpoint.safetensors_io import _DTYPES as SAFETENSORS_DTYPES
-from nibble.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointError, open_shard, read_weight_map
+from nibble.checkpoint.validate_report import (  # noqa: F401  (re-exported: the names importers know from here)
+    ERROR,
+    INFO,
+    WARNING,
+    CheckpointReport,
+    Finding,
+    render_report,
+)
+from nibble.checkpoint.validate_shards import _Shards, _Tensor
 from nibble.kernels.kernel_set import KernelSet
 from nibble.layers.linear import WeightLoadError
 from nibble.models.config import ModelConfig
@@ -33,87 +42,11 @@ from nibble.models.registry import get_model_class
 
 logger = logging.getLogger("nibble.checkpoint")
 
-ERROR, WARNING, INFO = "error", "warning", "info"
 SCALAR_KINDS = ("weight_scale_2", "input_scale", "k_scale", "v_scale")
-# Findings listed per code; the rest are counted, so a badly broken checkpoint still gives a readable report.
-MAX_LISTED_PER_CODE = 12
 # A progress log line every this many tensors (a 397B checkpoint has about 370k).
 PROGRESS_EVERY = 50_000
 # Deep checks read big tensors in slices of about this many elements.
 DEEP_CHUNK_ELEMENTS = 1 << 26
-
-
-@dataclass
-class Finding:
-    """One problem or fact: severity (error | warning | info), a short machine code, and where."""
-
-    severity: str
-    code: str
-    message: str
-    file: str | None = None
-    tensor: str | None = None
-
-
-@dataclass
-class CheckpointReport:
-    """Everything the check found. `ok` is False when any error was found; warnings do not count."""
-
-    model_dir: str
-    findings: list[Finding] = field(default_factory=list)
-    counts: dict[str, dict[str, int]] = field(default_factory=dict)
-    facts: dict[str, Any] = field(default_factory=dict)
-
-    def add(self, severity: str, code: str, message: str, file: str | None = None,
-            tensor: str | None = None) -> None:
-        per_code = self.counts.setdefault(severity, {})
-        per_code[code] = per_code.get(code, 0) + 1
-        if per_code[code] <= MAX_LISTED_PER_CODE:
-            self.findings.append(Finding(severity, code, message, file, tensor))
-
-    def num(self, severity: str) -> int:
-        return sum(self.counts.get(severity, {}).values())
-
-    @property
-    def ok(self) -> bool:
-        return self.num(ERROR) == 0
-
-    def codes(self, severity: str | None = None) -> set[str]:
-        """Codes found (of one severity, or all)."""
-        sev = [severity] if severity else list(self.counts)
-        return {c for s in sev for c in self.counts.get(s, {})}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model_dir": self.model_dir, "ok": self.ok, "errors": self.num(ERROR),
-                "warnings": self.num(WARNING), "counts": self.counts, "facts": self.facts,
-                "findings": [asdict(f) for f in self.findings]}
-
-    def render(self) -> str:
-        return render_report(self.to_dict())
-
-
-def render_report(d: dict[str, Any]) -> str:
-    """Plain text of a `CheckpointReport.to_dict()`: facts, findings by severity, a one-line result."""
-    f = d["facts"]
-    lines = [f"checkpoint {d['model_dir']}"]
-    if "architecture" in f:
-        lines.append(f"  {f['architecture']}, {f.get('layout')} layout, {f.get('quantization')}")
-    if "context" in f:
-        lines.append(f"  context: {f['context']}")
-    if "num_tensors" in f:
-        lines.append(f"  {f.get('num_shards', 0)} shard(s), {f['num_tensors']} tensors, "
-                     f"{f.get('total_bytes', 0) / 1e9:.3f} GB; skipped (vision/MTP): {f.get('skipped', 0)}")
-        lines.append(f"  checked: {f.get('headers_checked', 0)} headers, {f.get('block_scales_read', 0)} block-"
-                     f"scale tensors{' (sampled)' if f.get('sampled') else ''}, {f.get('scalars_read', 0)} "
-                     f"scalar scales, {f.get('deep_tensors_read', 0)} weights read in full "
-                     f"in {f.get('seconds', 0.0):.1f} s")
-    for sev in (ERROR, WARNING, INFO):
-        for item in (x for x in d["findings"] if x["severity"] == sev):
-            lines.append(f"  {sev.upper():7} {item['code']}: {item['message']}")
-        for code, n in sorted(d["counts"].get(sev, {}).items()):
-            if n > MAX_LISTED_PER_CODE:
-                lines.append(f"  {sev.upper():7} {code}: ... and {n - MAX_LISTED_PER_CODE} more")
-    lines.append(f"  result: {'OK' if d['ok'] else 'FAILED'} ({d['errors']} errors, {d['warnings']} warnings)")
-    return "\n".join(lines)
 
 
 def validate_checkpoint(model_dir: str | Path, *, deep: bool = False, sample_scales: bool = False
@@ -194,123 +127,6 @@ def _check_tokenizer(model_dir: Path, config: ModelConfig, report: CheckpointRep
                    file="tokenizer.json")
     if not tok.has_chat_template:
         report.add(WARNING, "no_chat_template", "no chat template: /v1/chat/completions will refuse requests")
-
-
-@dataclass
-class _Tensor:
-    shard: Path
-    shape: tuple[int, ...]
-    dtype_code: str
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-class _Shards:
-    """Open shard handles and the header facts of every tensor (name -> _Tensor), in storage order."""
-
-    def __init__(self, handles: dict[Path, Any], tensors: dict[str, _Tensor], unavailable: set[str] | None) -> None:
-        """unavailable: names indexed to shards that are missing or unreadable (already reported); None when
-        a shard failed and there is no index to tell which tensors it held."""
-        self.handles = handles
-        self.tensors = tensors
-        self.unavailable = unavailable
-
-    def read(self, name: str, report: CheckpointReport) -> torch.Tensor | None:
-        info = self.tensors[name]
-        try:
-            return self.handles[info.shard].get_tensor(name)
-        except Exception as e:  # a damaged data section: report, keep checking the rest
-            report.add(ERROR, "unreadable_tensor", f"{info.shard.name}: cannot read '{name}': {e}",
-                       file=info.shard.name, tensor=name)
-            return None
-
-    @classmethod
-    def open(cls, model_dir: Path, report: CheckpointReport) -> _Shards | None:
-        try:
-            weight_map = read_weight_map(model_dir)
-        except CheckpointError as e:
-            report.add(ERROR, "bad_index", str(e), file=INDEX_FILE)
-            weight_map = None
-        if weight_map is not None:
-            files = sorted(set(weight_map.values()))
-        elif (model_dir / SINGLE_FILE).is_file():
-            files = [SINGLE_FILE]
-        else:
-            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-        if not files:
-            report.add(ERROR, "no_weights", f"{model_dir}: no {INDEX_FILE}, {SINGLE_FILE} or other *.safetensors")
-            return None
-        by_file: dict[str, list[str]] = {}
-        for n, f in (weight_map or {}).items():
-            by_file.setdefault(f, []).append(n)
-        handles: dict[Path, Any] = {}
-        tensors: dict[str, _Tensor] = {}
-        unavailable: set[str] | None = set()
-        for file in files:
-            path = model_dir / file
-            named = sorted(by_file.get(file, []))
-            if not path.is_file():
-                if unavailable is not None:
-                    unavailable.update(named)
-                report.add(ERROR, "missing_shard", f"{INDEX_FILE} names shard '{file}', which does not exist "
-                           f"({len(named)} tensors, e.g. '{named[0]}')", file=file)
-                continue
-            try:
-                handles[path] = handle = open_shard(path)
-                names = list(handle.keys())
-            except CheckpointError as e:
-                handles.pop(path, None)
-                report.add(ERROR, "unreadable_shard", str(e), file=file)
-                unavailable = None if weight_map is None or unavailable is None else unavailable | set(named)
-                continue
-            for name in names:
-                sl = handle.get_slice(name)
-                if name in tensors:
-                    report.add(ERROR, "duplicate_tensor", f"'{name}' is stored in both {tensors[name].shard.name} "
-                               f"and {file}", file=file, tensor=name)
-                    continue
-                tensors[name] = _Tensor(path, tuple(sl.get_shape()), sl.get_dtype())
-                if weight_map is not None and weight_map.get(name) != file:
-                    report.add(WARNING, "unindexed_tensor", f"{file} holds '{name}', which {INDEX_FILE} "
-                               f"{'assigns to ' + weight_map[name] if name in weight_map else 'does not list'} "
-                               "(it is loaded anyway)", file=file, tensor=name)
-        if weight_map is not None:
-            absent = cls._check_index(model_dir, weight_map, tensors, handles, report)
-            unavailable = None if unavailable is None else unavailable | absent
-        report.facts["num_shards"] = len(handles)
-        report.facts["num_tensors"] = len(tensors)
-        report.facts["total_bytes"] = sum(t.numel * _itemsize(t.dtype_code) for t in tensors.values())
-        return cls(handles, tensors, unavailable)
-
-    @staticmethod
-    def _check_index(model_dir: Path, weight_map: dict[str, str], tensors: dict[str, _Tensor],
-                     handles: dict[Path, Any], report: CheckpointReport) -> set[str]:
-        """Report index problems; returns the indexed names absent from their (readable) shard."""
-        opened = {p.name for p in handles}
-        absent = {name for name, file in weight_map.items() if file in opened and name not in tensors}
-        for name in sorted(absent):
-            file = weight_map[name]
-            report.add(ERROR, "index_tensor_absent", f"{file}: tensor '{name}' is named in {INDEX_FILE} but "
-                       "absent from this shard", file=file, tensor=name)
-        indexed = set(weight_map.values())
-        for path in sorted(model_dir.glob("*.safetensors")):
-            if path.name not in indexed:
-                report.add(WARNING, "unused_shard", f"{path.name} is not named in {INDEX_FILE} and is ignored",
-                           file=path.name)
-        raw = json.loads((model_dir / INDEX_FILE).read_text())
-        declared = (raw.get("metadata") or {}).get("total_size")
-        actual = sum(t.numel * _itemsize(t.dtype_code) for t in tensors.values())
-        if isinstance(declared, int) and declared != actual and len(handles) == len(indexed):
-            report.add(WARNING, "index_total_size", f"{INDEX_FILE} declares metadata.total_size {declared}, the "
-                       f"shards hold {actual} bytes of tensors", file=INDEX_FILE)
-        return absent
-
-
-def _itemsize(code: str) -> int:
-    dtype = SAFETENSORS_DTYPES.get(code)
-    return dtype.itemsize if dtype is not None else 1
 
 
 def _kind(name: str) -> str:

@@ -4,15 +4,15 @@ The models of the answers are in response_models.py; their names are re-exported
 
 Requests accept unknown fields, because OpenAI SDKs and agent frameworks send many; `parse_model`
 (serving_base.py) logs the ones it drops. Values nibble cannot honour are rejected with a message naming the
-field rather than silently ignored. `format_validation_error` turns a pydantic `ValidationError` into one
-readable message for an HTTP 400 `ErrorResponse`.
+field rather than silently ignored. `format_validation_error`, which turns a pydantic `ValidationError` into
+one readable message for an HTTP 400 `ErrorResponse`, is in validation_errors.py; it is re-exported here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nibble.engine.sampling_params import MAX_STOP_TOKEN_IDS
 from nibble.server.response_models import (  # noqa: F401  (re-exported: the names importers know from here)
@@ -45,6 +45,7 @@ from nibble.server.response_models import (  # noqa: F401  (re-exported: the nam
     error_response,
     random_id,
 )
+from nibble.server.validation_errors import format_validation_error  # noqa: F401  (re-exported)
 
 # Template inputs that have their own request fields (and parameters of `Tokenizer.apply_chat_template`).
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
@@ -392,55 +393,3 @@ class ChatCompletionRequest(_SamplingRequest):
         """The tools to render in the prompt (none when `tool_choice` is 'none')."""
         return None if self.tool_choice == "none" else self.tools
 
-
-# Union-typed fields produce one pydantic error per union member; these say what the field accepts.
-_FIELD_EXPECTS = {
-    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
-    "stop": "a string or a list of strings",
-    "tool_choice": "'auto', 'none', 'required' or a named function",
-}
-
-
-def _loc_text(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
-    """One readable message for a request that failed validation, and the name of the first bad field.
-
-    Example: ("temperature: Input should be greater than or equal to 0 (got -1)", "temperature").
-    """
-    messages: list[str] = []
-    first_param: str | None = None
-    seen_fields: set[str] = set()
-    for err in exc.errors(include_url=False):
-        loc = tuple(err.get("loc", ()))
-        field = str(loc[0]) if loc else ""
-        if field in seen_fields:
-            continue
-        seen_fields.add(field)
-        msg = str(err.get("msg", "invalid value"))
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        if err.get("type") == "missing":
-            text = f"{_loc_text(loc)}: field required"
-        elif field in _FIELD_EXPECTS and err.get("type") not in ("value_error",):
-            text = f"{field}: must be {_FIELD_EXPECTS[field]}"
-        else:
-            # Union members add type names to the location (e.g. 'str', 'list[int]'); they only confuse.
-            path = _loc_text(tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in ("str", "int"))))
-            given = err.get("input")
-            # Range and type errors read better with the offending value; our own messages already say it.
-            show = err.get("type") != "value_error" and isinstance(given, (int, float, str)) and len(repr(given)) <= 40
-            got = f" (got {given!r})" if show else ""
-            text = f"{path}: {msg}{got}" if path else msg
-        messages.append(text)
-        if first_param is None and field:
-            first_param = _loc_text(loc[:1]) if field in _FIELD_EXPECTS else _loc_text(loc)
-    return "; ".join(messages) or "invalid request", first_param

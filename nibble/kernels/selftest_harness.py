@@ -1,0 +1,88 @@
+"""What every kernel self-test (selftest.py, selftest_gdn.py) is built on: `SelfTestContext` (the model's
+config and dtypes, the device, a seeded generator for fresh random inputs, the tolerance), `_call` with
+`poison`, `rel_err` and `SelfTestFailure`.
+
+Outputs that kernels allocate themselves are caught when left unwritten by poisoning the allocator: a
+NaN-filled block of each expected output size is freed just before the call, so the caching allocator
+hands that memory to the kernel's `torch.empty`.
+
+Separate from the tests so that the tests of one part of the model can have a module of their own
+(selftest_gdn.py) that imports it without an import cycle through the table of tests (`SELF_TESTS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nibble.models.config import ModelConfig
+
+
+class SelfTestFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class SelfTestContext:
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    block_size: int
+    generator: torch.Generator
+
+    @property
+    def tol(self) -> float:
+        return {torch.float32: 1e-4, torch.float16: 1e-2}.get(self.dtype, 2e-2)
+
+    def randn(self, *shape: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+        return (x * scale).to(dtype or self.dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.generator, device=self.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def poison(device: torch.device, *shapes_dtypes: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Fill then free blocks of the given sizes so the next allocations of those sizes start as NaN
+    (or 0xFF bytes for integer types)."""
+    blocks = []
+    for shape, dtype in shapes_dtypes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.view(torch.uint8).fill_(0xFF)
+        blocks.append(t)
+    del blocks
+
+
+def rel_err(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    if out.shape != ref.shape:
+        raise SelfTestFailure(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    if out.dtype != ref.dtype:
+        raise SelfTestFailure(f"{name}: dtype {out.dtype} != reference {ref.dtype}")
+    o, r = out.float(), ref.float()
+    if not torch.isfinite(o).all():
+        raise SelfTestFailure(f"{name}: {int((~torch.isfinite(o)).sum())} non-finite values")
+    err = float((o - r).norm() / r.norm().clamp_min(1e-30))
+    if not err <= tol:
+        raise SelfTestFailure(f"{name}: relative error {err:.3g} > {tol:g}")
+    return err
+
+
+def _call(fn: Callable, device: torch.device, outs: list[tuple[tuple[int, ...], torch.dtype]], *args, **kwargs):
+    poison(device, *outs)
+    res = fn(*args, **kwargs)
+    _sync(device)
+    return res
