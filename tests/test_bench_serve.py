@@ -15,6 +15,7 @@ import math
 import random
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,12 @@ class StandInServer:
         tokens_per_chunk: int = 1,
         send_usage: bool = True,
         fail_every: int = 0,
+        ttft_for: Callable[[int], float] | None = None,
     ) -> None:
         self.ttft_s = ttft_s
+        # delay before the first chunk of the n-th request (1-based; 1 is the bench's test request), for
+        # timings that differ between requests; ttft_s when None
+        self.ttft_for = ttft_for
         self.itl_s = itl_s
         self.tokens_per_chunk = tokens_per_chunk
         self.send_usage = send_usage
@@ -87,6 +92,7 @@ class StandInServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.num_requests += 1
+        number = self.num_requests
         self.bodies.append(body)
         self.auth_headers.append(request.headers.get("Authorization"))
         if body.get("model") != MODEL:
@@ -101,9 +107,10 @@ class StandInServer:
         await resp.prepare(request)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        ttft_s = self.ttft_s if self.ttft_for is None else self.ttft_for(number)
         try:
             for i in range(math.ceil(num_tokens / self.tokens_per_chunk)):
-                await asyncio.sleep(self.ttft_s if i == 0 else self.itl_s)
+                await asyncio.sleep(ttft_s if i == 0 else self.itl_s)
                 text = " tok" * self.tokens_per_chunk
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
@@ -132,17 +139,22 @@ def serve():
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def word_tokenizer(tmp_path_factory) -> Path:
+def write_word_tokenizer(directory: Path) -> Path:
     """A word-level tokenizer whose tokens are whitespace-separated words (so the stand-in can count them),
-    with an added special token that the dataset must never sample."""
+    with an added special token that the dataset must never sample; returns its tokenizer.json."""
     vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(200)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<|eos|>"])
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path = directory / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory) -> Path:
+    """The word-level tokenizer's tokenizer.json."""
+    return write_word_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _cfg(server: StandInServer, tokenizer: Path, **overrides) -> BenchServeConfig:

@@ -38,6 +38,9 @@ class RequestSettings:
     api_key: str | None = None
     ignore_eos: bool = True
     temperature: float = 0.0
+    # the optional sampling fields the user set (top_p, top_k, min_p, repetition_penalty); absent ones are
+    # left to the server's defaults, as vLLM's benchmark leaves them
+    sampling: dict[str, Any] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,6 +110,8 @@ def build_payload(settings: RequestSettings, req: SampleRequest) -> dict[str, An
         payload["prompt"] = req.prompt
     if settings.ignore_eos:
         payload["ignore_eos"] = True
+    payload.update(settings.sampling)
+    # last, so that --extra-body can override anything above
     payload.update(settings.extra_body)
     return payload
 

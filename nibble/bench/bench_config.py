@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from nibble.bench.arrivals import RAMP_UP_STRATEGIES
 from nibble.bench.backends import (
     BACKEND_ENDPOINTS,
     join_url,
 )
-from nibble.bench.metrics import BenchMetrics, RequestOutput
+from nibble.bench.metrics import GOODPUT_METRICS, PERCENTILE_METRICS, BenchMetrics, RequestOutput
 
 DATASETS = ("random", "sharegpt", "custom", "prefix_repetition")
 _FILE_DATASETS = ("sharegpt", "custom")
@@ -54,16 +55,30 @@ class BenchServeConfig:
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0
+    # optional sampling fields, sent only when set (None leaves them to the server)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     max_concurrency: int | None = None
     request_rate: float = math.inf
     burstiness: float = 1.0
+    # the request rate moves from start to end over a pass instead of staying at request_rate
+    ramp_up_strategy: str | None = None
+    ramp_up_start_rps: float | None = None
+    ramp_up_end_rps: float | None = None
     num_warmups: int = 0
     # drop the server's prefix cache before each pass (POST /reset_prefix_cache, where the server has it), so
     # that prompts repeated from the test request, the warm-ups or an earlier pass of a sweep are not
     # measured as cache hits
     reset_prefix_cache: bool = True
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    # metrics whose mean/median/std/percentiles are reported (vLLM's default leaves out e2el; nibble has
+    # always reported it)
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
+    # service-level objectives in ms by metric (ttft, tpot, e2el) for request goodput; empty: no goodput
+    goodput: dict[str, float] = field(default_factory=dict)
     request_timeout_s: float = 6 * 3600.0
     disable_tqdm: bool = False
 
@@ -71,6 +86,23 @@ class BenchServeConfig:
     def url(self) -> str:
         """The URL requests are posted to."""
         return join_url(self.base_url, self.endpoint or BACKEND_ENDPOINTS[self.backend])
+
+    @property
+    def ramp_up(self) -> tuple[str, float, float] | None:
+        """(strategy, start rps, end rps) when the rate ramps up, else None."""
+        if self.ramp_up_strategy is None or self.ramp_up_start_rps is None or self.ramp_up_end_rps is None:
+            return None
+        return self.ramp_up_strategy, self.ramp_up_start_rps, self.ramp_up_end_rps
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The optional sampling fields that are set, under their request-body names."""
+        fields = {
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
 
     def validate(self) -> None:
         """Raise `BenchError` for settings that cannot work, before anything is sent."""
@@ -88,14 +120,61 @@ class BenchServeConfig:
             problems.append(f"request rate must be > 0 (inf for no pacing), got {self.request_rate}")
         if not self.burstiness > 0:
             problems.append(f"burstiness must be > 0, got {self.burstiness}")
+        problems += self._ramp_up_problems()
+        problems += self._sampling_problems()
         if self.num_warmups < 0:
             problems.append(f"number of warm-ups must be >= 0, got {self.num_warmups}")
         if any(not 0 < p <= 100 for p in self.percentiles):
             problems.append(f"percentiles must be in (0, 100], got {list(self.percentiles)}")
+        unknown = [m for m in self.percentile_metrics if m not in PERCENTILE_METRICS]
+        if unknown or not self.percentile_metrics:
+            problems.append(
+                f"percentile metrics must be among {', '.join(PERCENTILE_METRICS)}, got {list(self.percentile_metrics)}"
+            )
+        for name, limit in self.goodput.items():
+            if name not in GOODPUT_METRICS:
+                problems.append(f"goodput objectives are for {', '.join(GOODPUT_METRICS)}, not {name!r}")
+            elif not 0 <= limit < math.inf:
+                problems.append(f"goodput objective {name} must be a number of ms >= 0, got {limit}")
         if not self.request_timeout_s > 0:
             problems.append(f"request timeout must be > 0, got {self.request_timeout_s}")
         if problems:
             raise BenchError("; ".join(problems))
+
+    def _ramp_up_problems(self) -> list[str]:
+        # The messages name the flags, as vLLM's do: these combinations only arise on the command line.
+        start, end = self.ramp_up_start_rps, self.ramp_up_end_rps
+        if self.ramp_up_strategy is None:
+            if start is not None or end is not None:
+                return ["--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy (linear or exponential)"]
+            return []
+        if self.ramp_up_strategy not in RAMP_UP_STRATEGIES:
+            return [f"unknown ramp-up strategy {self.ramp_up_strategy!r} (choose from {', '.join(RAMP_UP_STRATEGIES)})"]
+        if not math.isinf(self.request_rate):
+            return ["when using ramp-up, do not specify --request-rate: the ramp-up parameters set the request rate"]
+        if start is None or end is None:
+            return ["when using --ramp-up-strategy, both --ramp-up-start-rps and --ramp-up-end-rps must be specified"]
+        if start < 0 or end <= 0:
+            return [f"ramp-up start RPS must be >= 0 and end RPS > 0, got {start} and {end}"]
+        if start > end:
+            return [f"ramp-up start RPS must not exceed end RPS, got {start} > {end}"]
+        if self.ramp_up_strategy == "exponential" and start == 0:
+            return ["for exponential ramp-up, the start RPS cannot be 0"]
+        return []
+
+    def _sampling_problems(self) -> list[str]:
+        problems = []
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            problems.append(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < -1:
+            problems.append(f"top-k must be >= 1, or 0 or -1 for no limit, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            problems.append(f"min-p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            problems.append(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+        return problems
 
     def _dataset_problems(self) -> list[str]:
         name = self.dataset_name
@@ -194,12 +273,23 @@ class BenchServeConfig:
             template = "sent as user messages"
         return f"custom {self.dataset_path} ({self.custom_output_len} out where a line sets none, {template})"
 
+    def load_label(self) -> str:
+        """How requests are paced, for the console: all at once, a fixed rate, or a ramp-up."""
+        arrivals = "Poisson" if self.burstiness == 1 else f"gamma, burstiness {self.burstiness:g}"
+        if self.ramp_up is not None:
+            strategy, start, end = self.ramp_up
+            return f"request rate ramps up {strategy}ly from {start:g} to {end:g} req/s ({arrivals} arrivals)"
+        if math.isinf(self.request_rate):
+            return "all requests at once"
+        return f"request rate {self.request_rate:g} req/s ({arrivals} arrivals)"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe settings for the result file; the API key is never written out."""
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         d["url"] = self.url
         d["percentiles"] = list(self.percentiles)
+        d["percentile_metrics"] = list(self.percentile_metrics)
         if math.isinf(self.request_rate):
             d["request_rate"] = "inf"
         return d
@@ -224,8 +314,13 @@ class BenchResult:
             "num_prompts": len(self.outputs),
             "dataset": self.config.dataset_params(),
             "config": self.config.to_dict(),
+            # the traffic settings also at the top, where vLLM's result files have them
+            "request_rate": "inf" if math.isinf(self.config.request_rate) else self.config.request_rate,
+            "burstiness": self.config.burstiness,
             **self.metrics.to_flat_dict(),
         }
+        if self.config.ramp_up is not None:
+            d["ramp_up_strategy"], d["ramp_up_start_rps"], d["ramp_up_end_rps"] = self.config.ramp_up
         if detailed:
             d["input_lens"] = [o.prompt_len for o in self.outputs]
             d["output_lens"] = [o.output_tokens for o in self.outputs]

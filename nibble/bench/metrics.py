@@ -3,17 +3,25 @@
 Definitions follow the convention of `vllm bench serve`: TTFT is the time to the first content chunk,
 TPOT is (latency - TTFT) / (output tokens - 1) per request, ITL is every gap between consecutive content
 chunks pooled over all requests, E2E is the whole request. Aggregates cover successful requests only.
+Request goodput is the number of successful requests per second that meet every given service-level
+objective (`--goodput ttft:500 tpot:50`, in ms). Mean, median, std and percentiles are reported for the
+metrics `--percentile-metrics` selects; all four are always computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 # Failed requests whose messages the summary keeps; the rest are only counted.
 _NUM_ERRORS_KEPT = 5
+
+# the latency metrics with a distribution, in report order (vLLM's names)
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+# the per-request metrics a goodput objective can bound (ITL is per gap, not per request)
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -83,6 +91,10 @@ class BenchMetrics:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
+    # successful requests per second that met every objective; None when no objective was set
+    request_goodput: float | None = None
+    # the distributions the summary and the flat result show
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
 
     def to_flat_dict(self) -> dict[str, float | int | list[str] | None]:
         """Flat keys in the style of vLLM's result JSON (`mean_ttft_ms`, `p99_itl_ms`, ...)."""
@@ -94,13 +106,16 @@ class BenchMetrics:
             "total_input_tokens": self.total_input_tokens,
             "total_output_tokens": self.total_output_tokens,
             "request_throughput": self.request_throughput,
+            "request_goodput": self.request_goodput,
             "output_throughput": self.output_throughput,
             "total_token_throughput": self.total_token_throughput,
             "max_concurrency": self.max_concurrency,
             "peak_concurrent_requests": self.peak_concurrent_requests,
             "total_cached_tokens": self.total_cached_tokens,
         }
-        for name in ("ttft", "tpot", "itl", "e2el"):
+        for name in PERCENTILE_METRICS:
+            if name not in self.percentile_metrics:
+                continue
             dist: Distribution = getattr(self, name)
             out[f"mean_{name}_ms"] = dist.mean
             out[f"median_{name}_ms"] = dist.median
@@ -114,20 +129,44 @@ class BenchMetrics:
         return asdict(self)
 
 
+def _tpot(o: RequestOutput) -> float:
+    """Seconds per output token after the first; a one-token request has no decode phase (0 for goodput)."""
+    return (o.latency - o.ttft) / (o.output_tokens - 1) if o.output_tokens > 1 else 0.0
+
+
+def count_good(outputs: Sequence[RequestOutput], slo_ms: Mapping[str, float]) -> int:
+    """Successful requests whose TTFT, TPOT and E2E latency are each within the objective set for it (ms);
+    an objective that is not set does not count."""
+    unknown = set(slo_ms) - set(GOODPUT_METRICS)
+    if unknown:
+        raise ValueError(f"goodput objectives are for {', '.join(GOODPUT_METRICS)}, not {', '.join(sorted(unknown))}")
+    good = 0
+    for o in outputs:
+        if not o.success:
+            continue
+        values_s = {"ttft": o.ttft, "tpot": _tpot(o), "e2el": o.latency}
+        if all(values_s[name] * 1000.0 <= limit for name, limit in slo_ms.items()):
+            good += 1
+    return good
+
+
 def compute_metrics(
     outputs: Sequence[RequestOutput],
     duration: float,
     percentiles: Sequence[float],
     max_concurrency: int | None = None,
     peak_concurrent_requests: int = 0,
+    percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+    goodput: Mapping[str, float] | None = None,
 ) -> BenchMetrics:
-    """Aggregate per-request outputs of a pass that took `duration` seconds of wall time."""
+    """Aggregate per-request outputs of a pass that took `duration` seconds of wall time; `goodput` maps
+    metric names (ttft, tpot, e2el) to objectives in ms, and request goodput is only reported with one."""
     ok = [o for o in outputs if o.success]
     failed = [o for o in outputs if not o.success]
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_tokens for o in ok)
     # A request with one output token has no decode phase, so it has no TPOT.
-    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    tpots = [_tpot(o) for o in ok if o.output_tokens > 1]
     itls = [gap for o in ok for gap in o.itl]
     cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
     safe_duration = duration if duration > 0 else float("inf")
@@ -148,6 +187,8 @@ def compute_metrics(
         tpot=Distribution.of(tpots, percentiles),
         itl=Distribution.of(itls, percentiles),
         e2el=Distribution.of([o.latency for o in ok], percentiles),
+        request_goodput=count_good(ok, goodput) / safe_duration if goodput else None,
+        percentile_metrics=tuple(percentile_metrics),
     )
 
 
@@ -185,10 +226,13 @@ def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result", dat
           if m.total_cached_tokens is not None else []),
         _row("Total generated tokens:", m.total_output_tokens),
         _row("Request throughput (req/s):", m.request_throughput),
+        *([_row("Request goodput (req/s):", m.request_goodput)] if m.request_goodput is not None else []),
         _row("Output token throughput (tok/s):", m.output_throughput),
         _row("Total token throughput (tok/s):", m.total_token_throughput),
     ]
     for name, short, heading in _SECTIONS:
+        if name not in m.percentile_metrics:
+            continue
         dist: Distribution = getattr(m, name)
         lines.append(f" {heading} ".center(_WIDTH, "-"))
         lines.append(_row(f"Mean {short} (ms):", dist.mean))
@@ -205,15 +249,19 @@ def format_metrics(m: BenchMetrics, title: str = "Serving Benchmark Result", dat
 
 
 def format_sweep(results: Sequence[tuple[int, BenchMetrics]]) -> str:
-    """One line per concurrency level: throughput and median/p99 latencies side by side."""
+    """One line per concurrency level: throughput (and goodput, when objectives were set) and median/p99
+    latencies side by side."""
+    goodput = any(m.request_goodput is not None for _, m in results)
+    good_column = f" {'good/s':>8}" if goodput else ""
     header = (
-        f"{'conc':>6} {'ok':>6} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} "
+        f"{'conc':>6} {'ok':>6} {'fail':>5} {'req/s':>8}{good_column} {'out tok/s':>10} {'tot tok/s':>10} "
         f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL p99':>9}"
     )
     lines = [header, "-" * len(header)]
     for concurrency, m in results:
+        good = f" {m.request_goodput or 0.0:>8.2f}" if goodput else ""
         lines.append(
-            f"{concurrency:>6} {m.num_completed:>6} {m.num_failed:>5} {m.request_throughput:>8.2f} "
+            f"{concurrency:>6} {m.num_completed:>6} {m.num_failed:>5} {m.request_throughput:>8.2f}{good} "
             f"{m.output_throughput:>10.1f} {m.total_token_throughput:>10.1f} "
             f"{m.ttft.median:>9.1f} {m.ttft.percentiles.get('p99', m.ttft.median):>9.1f} "
             f"{m.tpot.median:>9.2f} {m.tpot.percentiles.get('p99', m.tpot.median):>9.2f} "

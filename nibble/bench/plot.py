@@ -49,6 +49,8 @@ def plot_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pa
         xs = [_concurrency(r) for r in ordered]
         (line,) = ax_tput.plot(xs, [r["output_throughput"] for r in ordered], marker="o", label=label)
         for ax, (key, _, _) in zip(ax_lat, _LATENCY_PANELS):
+            if f"median_{key}_ms" not in ordered[0]:
+                continue  # left out by --percentile-metrics: the panel stays empty
             color = line.get_color()
             ax.plot(xs, [r[f"median_{key}_ms"] for r in ordered], marker="o", color=color, label=f"{label} median")
             if f"p99_{key}_ms" in ordered[0]:
@@ -73,7 +75,8 @@ def plot_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pa
         ax.minorticks_off()
         ax.set_xlabel("max concurrency")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # an empty panel has nothing to label
+            ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
     out = Path(path)

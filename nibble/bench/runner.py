@@ -3,8 +3,9 @@
 It follows the convention of `vllm bench serve` / `sglang.bench_serving`: a dataset of prompts (random
 fixed-length ones by default; also ShareGPT conversations, a custom JSONL file, or repeated prefixes that
 exercise a prefix cache), requests streamed with `ignore_eos` so every request generates exactly its output
-budget, load shaped by a concurrency cap and/or a Poisson arrival rate, and a report of throughput, TTFT,
-TPOT, ITL and end-to-end latency. `nibble.bench.serve` re-exports the public API next to the CLI glue.
+budget, load shaped by a concurrency cap and/or a Poisson (or gamma) arrival rate, fixed or ramping up (see
+arrivals.py), and a report of throughput, goodput, TTFT, TPOT, ITL and end-to-end latency. `nibble.bench.serve`
+re-exports the public API next to the CLI glue.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
-import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from nibble.bench.arrivals import arrival_offsets, paced
 from nibble.bench.backends import (
     RequestSettings,
     ServerError,
@@ -122,30 +122,6 @@ def build_requests(
         raise BenchError(str(e)) from e
 
 
-async def _arrivals(
-    requests: Sequence[SampleRequest], rate: float, burstiness: float, seed: int
-) -> AsyncIterator[SampleRequest]:
-    """Yield requests at gamma-distributed intervals (burstiness 1 = Poisson) with mean 1/rate.
-
-    Arrival times are absolute offsets from the start so that slow event-loop wake-ups do not
-    accumulate into a lower rate than asked for.
-    """
-    if math.isinf(rate):
-        for req in requests:
-            yield req
-        return
-    rng = np.random.default_rng(seed)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=len(requests))
-    # The first request goes out at once; the gaps separate the following ones.
-    offsets = np.concatenate(([0.0], np.cumsum(gaps[:-1])))
-    start = time.perf_counter()
-    for req, offset in zip(requests, offsets.tolist()):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        yield req
-
-
 # 409 answers of /reset_prefix_cache (requests still running) before a pass starts without the reset
 RESET_TRIES = 10
 
@@ -178,6 +154,7 @@ class _Session:
             api_key=cfg.api_key,
             ignore_eos=cfg.ignore_eos,
             temperature=cfg.temperature,
+            sampling=cfg.sampling_params(),
             extra_body=dict(cfg.extra_body),
         )
         short = dataclasses.replace(probe, output_len=min(probe.output_len, 4))
@@ -230,9 +207,10 @@ class _Session:
                     in_flight -= 1
                     bar.update(1)
 
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp_up)
         start = time.perf_counter()
         tasks = []
-        async for req in _arrivals(requests, cfg.request_rate, cfg.burstiness, cfg.seed):
+        async for req in paced(requests, offsets.tolist()):
             tasks.append(asyncio.create_task(one(req)))
         outputs = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
@@ -290,7 +268,15 @@ async def _run_passes(
                           "repeated from the test request, warm-ups or earlier passes may be served from it")
             desc = f"concurrency {concurrency}" if concurrency else ""
             outputs, duration, peak = await session.run_pass(batch, concurrency, desc)
-            metrics = compute_metrics(outputs, duration, cfg.percentiles, concurrency, peak)
+            metrics = compute_metrics(
+                outputs,
+                duration,
+                cfg.percentiles,
+                concurrency,
+                peak,
+                percentile_metrics=cfg.percentile_metrics,
+                goodput=cfg.goodput,
+            )
             pass_cfg = dataclasses.replace(cfg, max_concurrency=concurrency, num_prompts=num_prompts)
             results.append(BenchResult(pass_cfg, settings.model, metrics, outputs))
             if on_result is not None:
