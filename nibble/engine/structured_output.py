@@ -1,5 +1,6 @@
-"""Structured outputs: constrain sampling to a JSON schema, any JSON object, a regex, a choice of strings or
-a Lark grammar (what vLLM calls guided decoding), through llguidance.
+"""Structured outputs: constrain sampling to a JSON schema, any JSON object, a regex, a choice of strings, a
+Lark grammar or a structural tag (free text with schema-bound tagged segments, structural_tag.py) (what vLLM
+calls guided decoding), through llguidance.
 
 The grammar compiles against the model's tokenizer into a matcher per request (`GrammarBackend.compile`).
 Each step, before sampling, the matchers of the rows being sampled write which tokens may come next into
@@ -25,12 +26,15 @@ from typing import Any
 
 import torch
 
+from nibble.engine.structural_tag import StructuralTagError, structural_tag_grammar
+
 # JSON compiler options: no free whitespace between tokens (as vLLM's default backends), so a sampled
 # answer cannot run on as whitespace until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # A choice list is compiled into one regex; bound its size like the other per-request lists.
 MAX_CHOICES = 1024
 MAX_COMPILED = 128  # compiled grammars a GrammarBackend keeps
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _REGEX_META = re.compile(r"([\\.^$|?*+()\[\]{}\-/#&~\"])")
 
 
@@ -42,15 +46,17 @@ class StructuredOutputError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON
-    object), `regex`, `choice` (one of these strings, exactly) or `grammar` (Lark syntax, or GBNF, which
-    is converted). start_token_id: the constraint applies only after the model has generated this token
-    (None: from the first generated token)."""
+    object), `regex`, `choice` (one of these strings, exactly), `grammar` (Lark syntax, or GBNF, which
+    is converted) or `structural_tag` (vLLM's spec, a dict or its JSON text: structural_tag.py).
+    start_token_id: the constraint applies only after the model has generated this token (None: from the
+    first generated token)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     start_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -60,12 +66,11 @@ class StructuredOutputsParams:
             raise StructuredOutputError(f"json_object must be true or false, got {self.json_object!r}")
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
-        kinds = [k for k in ("json", "json_object", "regex", "choice", "grammar")
-                 if getattr(self, k) not in (None, False)]
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise StructuredOutputError(
-                "structured outputs need exactly one of json, json_object, regex, choice, grammar; got "
-                + (", ".join(kinds) if kinds else "none"))
+                f"structured outputs need exactly one of {', '.join(KINDS)}; got " + (", ".join(kinds) if kinds
+                                                                                      else "none"))
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
@@ -80,8 +85,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in
-                    (None, False))
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
 
 def _llguidance() -> Any:
@@ -119,6 +123,12 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         return llg.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llg.LLMatcher.grammar_from_regex(choice_regex(params.choice or ()))
+    if kind == "structural_tag":
+        assert params.structural_tag is not None
+        try:
+            return llg.LLMatcher.grammar_from_lark(structural_tag_grammar(params.structural_tag))
+        except StructuralTagError as exc:
+            raise StructuredOutputError(f"structural_tag: {exc}") from None
     text = params.grammar or ""
     if "::=" in text:  # GBNF (llama.cpp / xgrammar EBNF), what vLLM's default backend takes
         try:

@@ -65,7 +65,7 @@ def no_reserved_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | No
     return v
 
 
-_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # vLLM options that change nothing here: the JSON grammar never allows free whitespace, and there is no
 # other backend to fall back to
 _IGNORED_STRUCTURED_KEYS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
@@ -222,8 +222,8 @@ class _SamplingRequest(SharedSamplingFields):
         if v is None:
             return v
         kind = v.get("type", "text")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+            raise ValueError(f"type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}")
         if kind == "json_schema":
             spec = v.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
@@ -239,6 +239,8 @@ class _SamplingRequest(SharedSamplingFields):
             found.append(("response_format", {"json_object": True}))
         elif fmt.get("type") == "json_schema":
             found.append(("response_format", {"json": fmt["json_schema"]["schema"]}))
+        elif fmt.get("type") == "structural_tag":  # checked where it compiles (engine/structural_tag.py)
+            found.append(("response_format", {"structural_tag": fmt}))
         so = {k: v for k, v in (self.structured_outputs or {}).items()
               if k in _STRUCTURED_KEYS and v not in (None, False)}
         if so:
