@@ -195,3 +195,14 @@ def test_llm_takes_vllms_speculative_config_dict() -> None:
     assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 2, 3)
     out = llm.generate([_repetitive_prompts(1)[0]], GREEDY)
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_warm_up_under_ngram_speculation_leaves_no_trace(plain: LLMEngine) -> None:
+    spec = _ngram_engine(2, max_num_batched_tokens=64, max_num_seqs=8)
+    assert spec.warm_up() > 0
+    assert spec.blocks.all_free() and not spec.requests
+    stats = spec.stats()
+    assert stats["num_steps"] == 0 and stats["spec_decode_num_draft_tokens"] == 0
+    assert stats["spec_decode_num_drafts"] == 0 and stats["spec_decode_num_accepted_tokens_pos_0"] == 0
+    prompts = _repetitive_prompts(2, seed=6)
+    assert _run(spec, prompts, GREEDY) == _run(plain, prompts, GREEDY)
