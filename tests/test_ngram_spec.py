@@ -206,3 +206,8 @@ def test_warm_up_under_ngram_speculation_leaves_no_trace(plain: LLMEngine) -> No
     assert stats["spec_decode_num_drafts"] == 0 and stats["spec_decode_num_accepted_tokens_pos_0"] == 0
     prompts = _repetitive_prompts(2, seed=6)
     assert _run(spec, prompts, GREEDY) == _run(plain, prompts, GREEDY)
+
+
+def test_a_zero_lookup_bound_is_named_as_given() -> None:
+    with pytest.raises(EngineConfigError, match="got 0 and 0"):
+        EngineConfig(model="demo", **parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 0}'))

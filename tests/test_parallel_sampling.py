@@ -55,3 +55,9 @@ def test_one_engine_request_is_one_sequence(llm: LLM) -> None:
     with pytest.raises(RequestError, match="n must be 1 for one engine request"):
         llm.engine.add_request("x", [1, 2], SamplingParams(n=2))
     assert not llm.engine.requests
+
+
+def test_offline_generate_is_not_capped_by_the_servers_queue_limit() -> None:
+    llm = LLM(device="cpu", max_model_len=64, max_num_seqs=2, max_waiting_requests=1)
+    outs = llm.generate([[1, 2, 3]] * 3, SamplingParams(n=2, max_tokens=2, ignore_eos=True))
+    assert [len(o.outputs) for o in outs] == [2, 2, 2]

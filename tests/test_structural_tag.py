@@ -23,7 +23,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
           "additionalProperties": False}
 SPEC = {"type": "structural_tag", "triggers": ["<function="],
         "structures": [{"begin": "<function=count>", "schema": SCHEMA, "end": "</function>"},
-                       {"begin": "<function=flag>", "schema": {"type": "boolean"}, "end": "</function>"}]}
+                       {"begin": "<function=flag>", "schema": {"type": "boolean"}, "end": "</function>"},
+                       {"begin": "<function=any>", "schema": True, "end": "</function>"}]}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def _accepts(llm: LLM, text: str, spec: object = SPEC) -> bool:
     ('<function=count>{"n":1}</end>', False),  # not the structure's end
     ("<function=other>{}", False),  # no structure begins so after the trigger
     ('<function=flag>yes</function>', False),
+    ('<function=any>[1,{"a":null}]</function>', True),  # schema true: any JSON value
 ])
 def test_the_grammar_allows_exactly_the_tagged_structures(llm: LLM, text: str, ok: bool) -> None:
     assert _accepts(llm, text) is ok
@@ -57,7 +59,8 @@ def test_generations_keep_every_tag_well_formed(llm: LLM) -> None:
     one holds a value of its structure's schema, and a cut-off last one is a prefix of such."""
     trigger_token = llm.get_tokenizer().encode("<function")[0]
     # the demo tokenizer's one-token trigger: once the model writes it, the grammar takes over
-    spec = {**SPEC, "triggers": ["<function"]}
+    # (count and flag only: a string value of the any-structure may itself hold the trigger's text)
+    spec = {**SPEC, "triggers": ["<function"], "structures": SPEC["structures"][:2]}
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, ignore_eos=True, logit_bias={trigger_token: 6.0},
                              structured_outputs=StructuredOutputsParams(structural_tag=spec)) for s in range(6)]
     texts = [o.outputs[0].text for o in llm.generate([[5, 6, 7]] * len(params), params)]
@@ -82,6 +85,7 @@ def test_generations_keep_every_tag_well_formed(llm: LLM) -> None:
     ({**SPEC, "triggers": ["<tool>"]}, "structures[0].begin '<function=count>' does not start with any of the "
                                        "triggers"),
     ({**SPEC, "structures": [{"begin": "<function=x>", "schema": "int", "end": ""}]}, "structures[0].schema"),
+    ({**SPEC, "structures": [{"begin": "<function=x>", "schema": False, "end": ""}]}, "structures[0].schema"),
     ({**SPEC, "structures": [{"begin": "<function=x>", "schema": {}}]}, "structures[0].end must be a string"),
     ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "the 'format' form"),
     ({**SPEC, "extra": 1}, "unknown field(s) extra"),

@@ -57,6 +57,7 @@ def test_warm_up_runs_every_step_kind_and_leaves_no_trace() -> None:
     assert engine.blocks.all_free() and not engine.requests and not engine.has_unfinished_requests()
     assert engine.stats() == {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "num_steps": 0,
                               "num_generated_tokens": 0, "num_prompt_tokens": 0, "num_preemptions": 0,
+                              "num_computed_prompt_tokens": 0,
                               "prefix_cache_queries": 0, "prefix_cache_hits": 0, "spec_decode_num_drafts": 0,
                               "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
                               "model_steps_decode_graph": 0, "model_steps_mixed_graph": 0,

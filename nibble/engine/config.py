@@ -66,8 +66,9 @@ def parse_speculative_config(text: str | dict[str, Any]) -> dict[str, Any]:
                                     "ngram")
         return out
     # as vLLM: one bound given stands for both
-    out["prompt_lookup_min"] = lookup_min if lookup_min is not None else (lookup_max or DEFAULT_PROMPT_LOOKUP)
-    out["prompt_lookup_max"] = lookup_max if lookup_max is not None else (lookup_min or DEFAULT_PROMPT_LOOKUP)
+    default = DEFAULT_PROMPT_LOOKUP
+    out["prompt_lookup_min"] = lookup_min if lookup_min is not None else (default if lookup_max is None else lookup_max)
+    out["prompt_lookup_max"] = lookup_max if lookup_max is not None else (default if lookup_min is None else lookup_min)
     return out
 
 

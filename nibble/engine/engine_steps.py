@@ -84,6 +84,7 @@ class EngineSteps:
     max_model_len: int
     num_steps: int
     num_generated_tokens: int
+    num_computed_prompt_tokens: int
     num_preemptions: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -138,6 +139,7 @@ class EngineSteps:
             raise
         if not sched.spec_verify:
             for req, n in zip(sched.requests, sched.num_new_tokens):
+                self._count_prompt_tokens(req, n)
                 req.num_computed_tokens += n
         now = time.monotonic()
         outputs: list[RequestOutput] = []
@@ -173,6 +175,12 @@ class EngineSteps:
                 req.draft_token_ids = self.ngram.propose(req) if self.ngram is not None else out.drafts[j]
             outputs.append(self._output(req))
         return outputs
+
+    def _count_prompt_tokens(self, req: Request, n: int) -> None:
+        """Count the prompt tokens among the n a step computes for req (before num_computed_tokens moves on):
+        the stats lines' prompt throughput is what the model computed, not what arrived or came from the cache."""
+        self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                               - req.num_computed_tokens)
 
     def _abandon_steps(self) -> None:
         """After a step failed: forget the step in flight and every pending token, and keep nothing of this
@@ -223,6 +231,7 @@ class EngineSteps:
         for i, (first, entries) in self.runner.prompt_logprob_results.items():
             store_prompt_logprobs(sched.requests[i], first, entries)
         for req, n in zip(sched.requests, sched.num_new_tokens):
+            self._count_prompt_tokens(req, n)
             req.num_computed_tokens += n
         if logits is None:
             return _Launched(self.num_steps, sched, [], None)

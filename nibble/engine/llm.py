@@ -97,7 +97,7 @@ class LLM:
                 for j in range(copy.n):
                     rid = f"offline-{self._counter}" if copy.n == 1 else f"offline-{self._counter}-{j}"
                     self.engine.add_request(rid, prompt, copy.for_choice(j) if copy.n > 1 else copy,
-                                            images=images, videos=videos)
+                                            images=images, videos=videos, queue_cap=False)
                     group.append(rid)
         except Exception:
             # a prompt the engine refuses: the ones before it must not stay queued for the next call

@@ -160,6 +160,7 @@ class LLMEngine(EngineSteps, VisionPrompts):
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         # verify steps' sequences with drafts, and how often the draft at each position was accepted
@@ -223,6 +224,7 @@ class LLMEngine(EngineSteps, VisionPrompts):
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_drafts = 0
@@ -241,14 +243,17 @@ class LLMEngine(EngineSteps, VisionPrompts):
         return self.config.served_model_name or self.config.model
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    images: ImageArg | None = None, videos: VideoArg | None = None) -> Request:
+                    images: ImageArg | None = None, videos: VideoArg | None = None,
+                    queue_cap: bool = True) -> Request:
         """Validate and queue a request. Raises RequestError (or SamplingParamsError) on bad input.
 
         images: the prompt's images, preprocessed (`vision_processor.preprocess_images`' (pixel_values,
         grid_thw), or a list of `ProcessedImage`), in prompt order; the prompt must then hold one
         image_token_id placeholder per image token (`expand_image_prompt`). videos: likewise its videos
         (`VideoInputs`, a list of `ProcessedVideo`, or (pixel_values, grid_thw)), the prompt holding each
-        temporal patch's video_token_id placeholders (`expand_video_prompt`)."""
+        temporal patch's video_token_id placeholders (`expand_video_prompt`). queue_cap: refuse the request
+        (EngineOverloaded) when max_waiting_requests are already waiting, as a server must; offline callers
+        that queue a whole workload at once (`LLM.generate`) pass False."""
         params = params or SamplingParams()
         params.validate()
         if params.n != 1:
@@ -298,7 +303,7 @@ class LLMEngine(EngineSteps, VisionPrompts):
         if params.max_tokens is None:
             # a copy: the caller's SamplingParams may serve other prompts, whose room differs
             params = replace(params, max_tokens=max_tokens)
-        if self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
+        if queue_cap and self.scheduler.num_unfinished >= self.config.max_waiting_requests + self.config.max_num_seqs:
             raise EngineOverloaded(f"the server is overloaded: {self.scheduler.num_unfinished} requests are "
                                    "queued or running; retry later")
         grammar = None
@@ -365,7 +370,7 @@ class LLMEngine(EngineSteps, VisionPrompts):
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": self.blocks.usage, "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_preemptions": self.num_preemptions,
+                "num_preemptions": self.num_preemptions, "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
                 "prefix_cache_queries": self.scheduler.num_prefix_query_tokens,
                 "prefix_cache_hits": self.scheduler.num_prefix_hit_tokens,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,

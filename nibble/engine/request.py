@@ -62,7 +62,8 @@ class Request:
     Pending tokens count in `num_tokens` (they are fed like known ones) but not in `output_token_ids`;
     `token_slice` returns them as `PENDING_BASE - row`, which the model runner replaces on the device.
 
-    Speculative decoding (spec_decode.py): `draft_token_ids` are the MTP head's guesses of the tokens after
+    Speculative decoding (spec_decode.py): `draft_token_ids` are the guesses (the MTP head's, or n-gram
+    lookups') of the tokens after
     the last one, fed with it in the next verify step (not part of the request's tokens); `spec_slots` are
     the GDN slots besides `state_slot` where that step leaves the states after each draft.
 

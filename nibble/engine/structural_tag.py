@@ -5,7 +5,9 @@
 trigger; from there the segment must be one of the structures that begin with that trigger: its `begin`, a
 JSON value of its `schema`, its `end`. Agents use it to keep tool calls inside prose well-formed without
 forcing a call. The format is vLLM's (OpenAI's response_format spelling, also `structured_outputs.structural_tag`
-as a JSON string); llguidance compiles it (its `StructTag`: lazy lexemes that wake up on the trigger).
+as a JSON string); llguidance compiles it (its `StructTag`: lazy lexemes that wake up on the trigger). As in
+vLLM's guidance backend, a trigger written like `<tool_call>` stands for the tokenizer's special token of that
+name (an error when there is none), not for its characters.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def parse_structural_tag(spec: str | dict[str, Any]) -> list[tuple[str, str, Any
             raise StructuralTagError(f"{where}.begin must be a non-empty string")
         if not isinstance(end, str):
             raise StructuralTagError(f"{where}.end must be a string")
-        if not isinstance(schema, (dict, bool)):
-            raise StructuralTagError(f"{where}.schema must be a JSON schema object")
+        if schema is True:  # the schema every JSON value meets
+            schema = {}
+        if not isinstance(schema, dict):
+            raise StructuralTagError(f"{where}.schema must be a JSON schema object (or true)")
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise StructuralTagError(f"{where}.begin {begin!r} does not start with any of the triggers "

@@ -88,7 +88,7 @@ def _parse_line(number: int, raw: bytes) -> BatchRequest | BatchLineError:
                      custom_id)
     if not isinstance(body, dict):
         return error("missing_body", "body is missing or not a JSON object", custom_id)
-    if body.get("stream") is True:
+    if body.get("stream") not in (None, False):  # the server coerces "true" and 1 to true as well
         # a batch result is one JSON body per request; the server's event stream has no place in it
         return error("stream_not_supported", "stream: true is not supported in a batch; leave it out", custom_id)
     return BatchRequest(number, custom_id, url, body)

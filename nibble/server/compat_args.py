@@ -44,8 +44,8 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                         help="(nibble does not log request contents)")
     compat.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic statistics lines (throughput, queues, KV-cache usage, prefix-cache hit "
-                             "rate, speculative acceptance), which are otherwise logged every 10 s while the engine "
-                             "works")
+                             "rate, speculative acceptance), which `nibble serve` otherwise logs every 10 s while the "
+                             "engine works (run-batch logs none)")
     compat.add_argument("--enable-log-requests", action="store_true",
                         help="(nibble logs one line per request, its id, status, token counts and time, never its "
                              "contents; accepted and ignored)")

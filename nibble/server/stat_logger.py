@@ -41,7 +41,8 @@ class StatLogger:
         def delta(key: str) -> float:
             return cur.get(key, 0) - last.get(key, 0)
 
-        prompt, generated = delta("num_prompt_tokens"), delta("num_generated_tokens")
+        # prompt tokens the model computed in the interval (not those that arrived, nor prefix-cache hits)
+        prompt, generated = delta("num_computed_prompt_tokens"), delta("num_generated_tokens")
         running, waiting = int(cur.get("num_running", 0)), int(cur.get("num_waiting", 0))
         if not (prompt or generated or running or waiting):
             return []

@@ -119,6 +119,14 @@ def test_malformed_lines_are_named(engine: AsyncEngine) -> None:
     assert "stream: true" in results[7]["error"]["message"]
 
 
+def test_stream_spelled_otherwise_is_refused_too(engine: AsyncEngine) -> None:
+    """The server would take "true" and 1 for true and stream; the batch refuses them like true."""
+    data = "".join(line(f"s{i}", CHAT, {**chat_body("hi"), "stream": v}) + "\n" for i, v in enumerate(("true", 1)))
+    out: list[bytes] = []
+    asyncio.run(run_batch(engine, data.encode(), out.append))
+    assert [json.loads(o)["error"]["code"] for o in out] == ["stream_not_supported"] * 2
+
+
 def test_requests_run_concurrently(engine: AsyncEngine) -> None:
     """The lines share engine steps (continuous batching): far fewer steps than tokens; one at a time, at
     least a step per token."""
