@@ -54,12 +54,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="draft tokens per step from the model's MTP head (speculative decoding; default: 0 = off)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding flag, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     p.add_argument("--hf-overrides", type=hf_overrides_arg, default=None, metavar="JSON", help=HF_OVERRIDES_HELP)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from nibble.engine.config import EngineConfig
+    from nibble.engine.config import EngineConfig, parse_speculative_config
 
+    spec = getattr(args, "speculative_config", None)
+    if spec and args.num_speculative_tokens:
+        from nibble.engine.config import EngineConfigError
+
+        raise EngineConfigError("give --speculative-config or --num-speculative-tokens, not both")
+    speculative = (parse_speculative_config(spec) if spec
+                   else {"num_speculative_tokens": args.num_speculative_tokens})
     return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, max_model_len=args.max_model_len,
@@ -72,7 +82,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides)
+        hf_overrides=args.hf_overrides, **speculative)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -211,3 +211,17 @@ def test_warm_up_under_ngram_speculation_leaves_no_trace(plain: LLMEngine) -> No
 def test_a_zero_lookup_bound_is_named_as_given() -> None:
     with pytest.raises(EngineConfigError, match="got 0 and 0"):
         EngineConfig(model="demo", **parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 0}'))
+
+
+def test_offline_commands_take_the_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from nibble.cli import build_parser, engine_config_from_args, main
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    argv = ["bench", "throughput", "--device", "cpu", "--speculative-config", spec]
+    config = engine_config_from_args(build_parser(argv).parse_args(argv))
+    assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_min) == ("ngram", 2, 2)
+    assert main(["generate", "--device", "cpu", "--max-model-len", "128", "--prompt", "a b a b a b a b",
+                 "--max-tokens", "6", "--speculative-config", spec]) == 0
+    assert main(["generate", "--device", "cpu", "--prompt", "x", "--speculative-config", spec,
+                 "--num-speculative-tokens", "2"]) == 2
+    assert "not both" in capsys.readouterr().err

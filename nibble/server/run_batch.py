@@ -278,6 +278,9 @@ def run_cli(args: argparse.Namespace) -> int:
         finally:
             engine.shutdown()
         output.commit()
+    except OSError as exc:  # the output went away mid-run (a full disk, a closed pipe): the requests were served
+        output.discard()
+        return _error(f"cannot write the output file {args.output_file}: {exc.strerror or exc}", 2)
     except BaseException:
         output.discard()
         raise

@@ -178,6 +178,29 @@ def test_cli_file_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert code == 2 and f"error: cannot write the output file {out}" in err
 
 
+def test_cli_output_failing_mid_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails while the batch runs (a full disk, a closed pipe) is exit 2 naming the file, no
+    traceback, and an existing output is left as it was."""
+    import errno
+
+    from nibble.server import run_batch as module
+
+    def full(self, line: bytes) -> None:  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(module.OutputFile, "write", full)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(line("a", COMPLETIONS, {"prompt": "Hey", **GREEDY}) + "\n")
+    dst.write_text("old results\n")
+    code = main(["run-batch", "-i", str(src), "-o", str(dst), "--device", "cpu", "--max-model-len", "256",
+                 "--log-level", "warning"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: cannot write the output file {dst}: No space left on device" in err
+    assert "Traceback" not in err and dst.read_text() == "old results\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_full_queue_is_waited_out(model_kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A request the engine refuses because its queue is full (the HTTP server's 503) is sent again once the
     queue drains: a batch has no client to retry it."""
