@@ -136,15 +136,19 @@ class LLMEngine(EngineSteps, VisionPrompts):
         self.runner.mrope = self.mrope
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_state_slots,
                                    prefix_caching=config.enable_prefix_caching, num_spec_slots=self.num_spec_tokens)
-        # a verify step holds blocks for 2k positions past the computed tokens (scheduler._alloc_len)
-        capacity = self.blocks.num_usable_blocks * config.block_size - 2 * self.num_spec_tokens
+        # a verify step holds blocks for 2k positions past the computed tokens, k + 1 with n-gram drafts
+        # (scheduler._schedule)
+        headroom = (2 * self.num_spec_tokens if config.mtp_drafts else self.num_spec_tokens + 1) if config.speculative \
+            else 0
+        capacity = self.blocks.num_usable_blocks * config.block_size - headroom
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   num_spec_tokens=self.num_spec_tokens, policy=config.scheduling_policy)
+                                   num_spec_tokens=self.num_spec_tokens, policy=config.scheduling_policy,
+                                   mtp_drafts=config.mtp_drafts)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
         self._generator = torch.Generator(device=self.device)

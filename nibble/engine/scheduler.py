@@ -24,7 +24,8 @@ request that ends leaves its blocks and state to an entry of everything it compu
 With speculative decoding (num_spec_tokens > 0) steps are either verify steps, where each decoding
 request feeds its last token and its draft tokens, or prefill steps; the two alternate while both have
 work. A verify step holds blocks for 2 * num_spec_tokens tokens past the request's computed ones: the
-verified tokens and the MTP head's KV writes for the next drafts.
+verified tokens and the MTP head's KV writes for the next drafts (num_spec_tokens + 1 with n-gram drafts, which
+write no KV).
 """
 
 from __future__ import annotations
@@ -72,12 +73,15 @@ class Scheduler:
     (arrival order) or "priority" (`priority_key` order, see the module docstring)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_spec_tokens: int = 0, policy: str = "fcfs") -> None:
+                 num_spec_tokens: int = 0, policy: str = "fcfs", mtp_drafts: bool = True) -> None:
+        """mtp_drafts: the drafts come from the MTP head, whose draft steps write KV up to num_spec_tokens - 1
+        positions past a step's last token (n-gram drafts write none)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.blocks = block_manager
         self.by_priority = policy == "priority"
         self.num_spec_tokens = num_spec_tokens
+        self.draft_kv_len = max(num_spec_tokens - 1, 0) if mtp_drafts else 0
         self._last_verify = False
         self._pending_state_copies: list[tuple[int, int]] = []
         self._pending_block_copies: list[tuple[int, int]] = []
@@ -231,8 +235,8 @@ class Scheduler:
         """Tokens to hold blocks for when feeding n: under speculative decoding a chunk that ends the known
         tokens is followed by the MTP head's draft steps, which write its KV up to num_spec_tokens - 1
         positions further."""
-        if self.num_spec_tokens and req.num_computed_tokens + n == req.num_tokens:
-            return n + self.num_spec_tokens - 1
+        if self.draft_kv_len and req.num_computed_tokens + n == req.num_tokens:
+            return n + self.draft_kv_len
         return n
 
     def _schedule(self, verify: bool) -> ScheduledBatch:
@@ -260,7 +264,7 @@ class Scheduler:
             if k and self.is_spec_decode(req) != verify:
                 continue
             if verify:
-                n, n_alloc = k + 1, 2 * k
+                n, n_alloc = k + 1, k + 1 + self.draft_kv_len
                 if n > budget:
                     continue
             else:
