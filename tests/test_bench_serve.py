@@ -125,9 +125,9 @@ class StandInServer:
         return resp
 
 
-@pytest.fixture
-def serve():
-    """Factory for stand-in servers, all stopped at teardown."""
+def stand_in_servers():
+    """Factory for stand-in servers, all stopped at teardown (the body of this file's `serve` fixture and of
+    test_bench_serve_flags.py's)."""
     servers: list[StandInServer] = []
 
     def make(**behaviour) -> StandInServer:
@@ -137,6 +137,9 @@ def serve():
     yield make
     for s in servers:
         s.stop()
+
+
+serve = pytest.fixture(stand_in_servers, name="serve")
 
 
 def write_word_tokenizer(directory: Path) -> Path:

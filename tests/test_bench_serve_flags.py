@@ -14,23 +14,12 @@ from nibble.bench.arrivals import arrival_offsets, ramp_up_rates
 from nibble.bench.metrics import RequestOutput, compute_metrics, format_metrics, format_sweep
 from nibble.bench.serve import BenchServeConfig, main, run_benchmark
 from nibble.cli import build_parser
-from tests.test_bench_serve import StandInServer, write_word_tokenizer
+from tests.test_bench_serve import StandInServer, stand_in_servers, write_word_tokenizer
 
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty")
 
 
-@pytest.fixture
-def stand_in():
-    """Factory for stand-in servers, all stopped at teardown."""
-    servers: list[StandInServer] = []
-
-    def make(**behaviour) -> StandInServer:
-        servers.append(StandInServer(**behaviour).start())
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.stop()
+stand_in = pytest.fixture(stand_in_servers, name="stand_in")
 
 
 @pytest.fixture(scope="module")
