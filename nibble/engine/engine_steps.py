@@ -86,10 +86,18 @@ class EngineSteps:
     num_generated_tokens: int
     num_computed_prompt_tokens: int
     num_preemptions: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
     num_drafts: int
     num_accepted_per_pos: list[int]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified: k per sequence of a verify step that fed drafts."""
+        return self.num_drafts * self.num_spec_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Draft tokens accepted, over every position."""
+        return sum(self.num_accepted_per_pos)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for each request that advanced or finished. With
@@ -151,8 +159,6 @@ class EngineSteps:
             context = req.num_computed_tokens
             group = [req.state_slot, *req.spec_slots]
             if sched.spec_verify and i in drafted:
-                self.num_draft_tokens += self.num_spec_tokens
-                self.num_accepted_tokens += len(tokens) - 1
                 self.num_drafts += 1
                 for pos in range(len(tokens) - 1):
                     self.num_accepted_per_pos[pos] += 1

@@ -165,8 +165,6 @@ class LLMEngine(EngineSteps, VisionPrompts):
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
         # verify steps' sequences with drafts, and how often the draft at each position was accepted
         self.num_drafts = 0
         self.num_accepted_per_pos = [0] * self.num_spec_tokens
@@ -229,8 +227,6 @@ class LLMEngine(EngineSteps, VisionPrompts):
         self.num_prompt_tokens = 0
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
         self.num_drafts = 0
         self.num_accepted_per_pos = [0] * self.num_spec_tokens
         self.scheduler.num_prefix_query_tokens = 0
