@@ -328,8 +328,6 @@ def run_cli(args: argparse.Namespace) -> int:
         check_context(requests, model_context_len(args), data_cfg, "--max-model-len" if args.max_model_len
                       else "the model's default context; --max-model-len sets it")
         cfg = engine_config_from_args(args)
-        # every request is queued at once: the engine's waiting-queue cap must not refuse any of them
-        cfg = cfg.replace(max_waiting_requests=max(cfg.max_waiting_requests, len(requests)))
         llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
         check_context(requests, llm.engine.max_model_len, data_cfg, "the engine's, lowered to what the KV cache holds")
     except ThroughputUsageError as e:
