@@ -40,7 +40,7 @@ stage_env() {
   run env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers, fla; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, fla.__version__)"'
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
-stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
+stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 360 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
 stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or paged or conv1d or gated_delta or chunk_plan or elementwise or route or nvfp4_linear or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf; }
 stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "logit_bias or structured" -p no:cacheprovider -rf; }
@@ -213,6 +213,11 @@ stage_spectests() { NIBBLE_TEST_GPU=1 run spectests 300 python3 -m pytest -q tes
 stage_specdecode() {  # decode with MTP drafts (own, and acceptance forced at 1.0/0.8/0.6), 122B-A10B dummy weights
   run specdecode 560 python3 benchmarks/spec_decode_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
     --ks ${SPEC_KS:-0,1,3} --batches ${SPEC_BATCHES:-1,8,32} --alphas ${SPEC_ALPHAS:-1.0,0.8,0.6} --out "$OUT/specdecode.json"
+}
+stage_specngram() {  # decode with n-gram drafts (own, and acceptance forced at 1.0/0.6) against plain, 122B-A10B dummy weights
+  run specngram 560 python3 benchmarks/spec_decode_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+    --method ngram --ks ${SPEC_KS:-0,3} --batches ${SPEC_BATCHES:-1,8,32} --alphas ${SPEC_ALPHAS:-1.0,0.6} \
+    --out "$OUT/specngram.json"
 }
 stage_visiontests() { NIBBLE_TEST_GPU=1 run visiontests 300 python3 -m pytest -q -s tests/gpu/test_vision_gpu.py -p no:cacheprovider -rf; }
 stage_mixedtests() { NIBBLE_TEST_GPU=1 run mixedtests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k mixed -p no:cacheprovider -rf; }

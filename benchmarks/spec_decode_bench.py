@@ -1,4 +1,5 @@
-"""Decode throughput with MTP speculative decoding, through LLMEngine itself (no HTTP), on one GPU.
+"""Decode throughput with speculative decoding (the MTP head's drafts, or n-gram prompt lookup with
+`--method ngram`), through LLMEngine itself (no HTTP), on one GPU.
 
 With generated (dummy) weights the MTP head's drafts are random and almost never accepted; and greedy
 tokens of a random model are near-ties that any change of batch row flips, so even the engine's own
@@ -6,12 +7,14 @@ earlier tokens are not accepted as drafts. So besides the head's own drafts, eac
 forced acceptance at rate alpha: before acceptance, each draft is replaced, with probability alpha, by the
 target's own arg-max at its position, and the engine accepts drafts up to the first one that was not. The
 work timed (verify step, acceptance, the head's drafting pass, all from CUDA graphs as in serving) is that
-of a head whose per-draft acceptance is alpha; the tokens themselves are not meaningful.
+of a head whose per-draft acceptance is alpha; the tokens themselves are not meaningful. Under n-gram
+speculation the timed work is the verify step, acceptance and the engine's prompt lookup (no drafting pass).
 
 Per configuration: median wall ms per decode step, tokens per step, output tok/s over the decode phase, and
 the acceptance seen.
 
-Usage: python benchmarks/spec_decode_bench.py --model DIR [--load-format dummy] [--ks 1,3] [--batches 1,8]
+Usage: python benchmarks/spec_decode_bench.py --model DIR [--load-format dummy] [--method mtp|ngram] [--ks 1,3]
+       [--batches 1,8]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-import nibble.engine.model_runner as model_runner
+import nibble.engine.spec_steps as spec_steps
 from nibble.engine.config import EngineConfig
 from nibble.engine.llm_engine import LLMEngine
 from nibble.engine.sampling_params import SamplingParams
@@ -46,7 +49,7 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, alpha:
         return accept_drafts(logits, torch.where(keep, target, drafts), *args)
 
     if alpha is not None:
-        model_runner.accept_drafts = forced
+        spec_steps.accept_drafts = forced
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -63,7 +66,7 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, alpha:
         if not prefilling:
             times.append(dt)
             tokens.append(engine.num_generated_tokens - before)
-    model_runner.accept_drafts = accept_drafts
+    spec_steps.accept_drafts = accept_drafts
     drafted = engine.num_draft_tokens - draft0
     return {"step_ms": round(1e3 * statistics.median(times), 3), "tokens_per_step": round(sum(tokens) / len(times), 3),
             "tok_s": round(sum(tokens) / sum(times), 1), "steps": len(times),
@@ -74,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--method", default="mtp", choices=("mtp", "ngram"))
     ap.add_argument("--ks", default="0,1,3", help="draft counts to run (0: plain decoding)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--alphas", default="1.0,0.8,0.6")
@@ -87,14 +91,16 @@ def main() -> None:
         t0 = time.perf_counter()
         # no start-up warm-up: the timed steps are graph replays (compiled at capture) and prefills are not timed
         engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, max_model_len=4096,
-                                        max_num_seqs=max(batches), num_speculative_tokens=k, warmup=False))
+                                        max_num_seqs=max(batches), num_speculative_tokens=k, warmup=False,
+                                        speculative_method=args.method))
         print(f"k={k}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for batch in batches:
             prompts = _prompts(engine.model_config.vocab_size, batch, args.input_len)
             runs = [("own", None), *((f"forced{a}", float(a)) for a in args.alphas.split(","))] if k \
                 else [("plain", None)]
             for name, alpha in runs:
-                row = {"k": k, "batch": batch, "drafts": name, **_decode(engine, prompts, args.output_len, alpha)}
+                row = {"method": args.method if k else "none", "k": k, "batch": batch, "drafts": name,
+                        **_decode(engine, prompts, args.output_len, alpha)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
         del engine
