@@ -153,6 +153,13 @@ stage_latency122() {
   run latency122 170 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
     --batch-sizes 1,8,32,128 --input-len 1024 --output-len 64 --max-num-seqs 128 --output-json "$OUT/latency122.json"
 }
+stage_sharedoverlap() {  # 122B decode steps with the shared expert on its own stream (default), inline, and on its own again
+  for v in on off on2; do
+    local flag=""; [ "$v" = off ] && flag="--no-shared-expert-overlap"
+    run sharedoverlap_$v 200 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+      --batch-sizes 1,8,32 --input-len 1024 --output-len 64 --max-num-seqs 32 $flag --output-json "$OUT/sharedoverlap_$v.json"
+  done
+}
 stage_throughput35() {  # offline throughput, all prompts at once (`nibble bench throughput`), 35B-A3B dummy weights
   run throughput35 240 python3 -m nibble.cli bench throughput --model $M/Qwen3.5-35B-A3B-NVFP4 --load-format dummy \
     --tokenizer .bench_assets --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --disable-tqdm \

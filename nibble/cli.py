@@ -42,6 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "steps run eagerly; at most 512; default: 512)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before scheduling the next (default: overlap them)")
+    p.add_argument("--no-shared-expert-overlap", dest="shared_expert_overlap", action="store_false",
+                   help="run each MoE block's shared expert after its routed experts on one CUDA stream (default: "
+                        "beside them, on a second stream)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up warm-up that compiles kernels for every step shape (GPU only)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -78,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         cuda_graph_max_mixed_tokens=args.cuda_graph_max_mixed_tokens, quantization=args.quantization,
         limit_mm_per_prompt={"image": 0, "video": 0} if args.language_model_only else None,
-        async_scheduling=args.async_scheduling, warmup=args.warmup, seed=args.seed,
+        async_scheduling=args.async_scheduling, shared_expert_overlap=args.shared_expert_overlap,
+        warmup=args.warmup, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         moe_backend=args.moe_backend, attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,

@@ -101,6 +101,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
+    # MoE blocks run their shared expert on a second CUDA stream beside the routed experts (layers/moe.py)
+    shared_expert_overlap: bool = True
     warmup: bool = True
     cuda_graph_max_batch_size: int = 256
     cuda_graph_max_mixed_tokens: int = 512

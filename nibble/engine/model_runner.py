@@ -31,6 +31,7 @@ from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
 from nibble.kernels.host_copy import to_device_async
 from nibble.layers.forward_batch import ForwardBatch, ModelCaches
+from nibble.layers.moe import overlap_shared_experts
 from nibble.layers.parallel import SINGLE, ParallelContext
 from nibble.models.config import FULL_ATTENTION, ModelConfig
 from nibble.models.mrope import MRopeParams, mrope_cos_sin
@@ -213,6 +214,8 @@ class ModelRunner(SpecSteps):
         self.recv_tokens = recv_tokens
         # the most patches one vision-tower call takes (image_steps.encode_vision), profiled with the caches
         self.vision_max_patches = vision_max_patches
+        if engine.shared_expert_overlap and self.device.type == "cuda":
+            overlap_shared_experts(model, torch.cuda.Stream(self.device))
         self.num_blocks, self.num_state_slots = cache_budget(engine, model_config, max_model_len, model, self.device,
                                                              self.parallel, vision_max_patches)
         self.caches = ModelCaches.allocate(model_config, self.num_blocks, self.block_size, self.num_state_slots,

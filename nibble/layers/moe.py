@@ -12,6 +12,10 @@ Router, shared gate/up and shared_expert_gate all read the block's input: they a
 (rows [router | this rank's shared gate | its shared up | shared_expert_gate]), whose output columns feed
 `route`, `silu_and_mul` and `moe_combine` as strided views. On one rank the block returns its parts
 uncombined (`MoEOutput`): the next RMSNorm combines them in its own launch (`rms_norm_moe`).
+
+On a GPU the shared expert may run on a second stream (`overlap_shared_experts`) while the routed experts run
+on the current one: at small batches the routed kernels are bound by their own latency and leave most SMs
+and bandwidth idle, and the two branches only meet in the combination. CUDA graphs capture the fork and join.
 """
 
 from __future__ import annotations
@@ -240,14 +244,36 @@ class SparseMoE(nn.Module):
             kernels=kernels, dtype=dtype, device=device)
         self.shared_down = RowParallelLinear(si, h, quantized=quantized("shared_expert.down_proj"), kernels=kernels,
                                              dtype=dtype, device=device, parallel=parallel, reduce_results=False)
+        # the stream the shared expert runs on beside the routed experts (`overlap_shared_experts`), or None
+        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | MoEOutput:
         router_logits, gate, up, shared_gate_logit = self.in_proj(hidden)
+        side = self.side_stream if hidden.is_cuda else None
+        if side is not None:
+            main = torch.cuda.current_stream(hidden.device)
+            side.wait_stream(main)
+            # `shared` is freed later on the main stream; its memory goes back to the side stream's pool, whose
+            # next use comes after the next layer's fork, i.e. after everything queued here: no record_stream
+            with torch.cuda.stream(side):
+                shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
         topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize)
         if self.expert_parallel:
             topk_weights, topk_ids = self.experts.localize(topk_weights, topk_ids)
         routed = self.kernels.fused_moe(hidden, topk_weights, topk_ids, self.experts.weights())
-        shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
+        if side is not None:
+            main.wait_stream(side)
+        else:
+            shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
         if not self.parallel.is_parallel:
             return MoEOutput(routed, shared, shared_gate_logit)
         return self.parallel.all_reduce(self.kernels.moe_combine(routed, shared, shared_gate_logit))
+
+
+def overlap_shared_experts(model: nn.Module, stream: torch.cuda.Stream | None) -> int:
+    """Run the shared expert of every MoE block of `model` on `stream` (None: inline again); returns how many
+    blocks there are."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for block in blocks:
+        block.side_stream = stream
+    return len(blocks)

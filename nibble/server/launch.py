@@ -32,7 +32,8 @@ GRACEFUL_SHUTDOWN_S = 10
 _ENGINE_FIELDS = (
     "model", "tokenizer", "served_model_name", "device", "dtype", "kv_cache_dtype", "load_format", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_gb", "block_size",
-    "enforce_eager", "async_scheduling", "warmup", "cuda_graph_max_batch_size", "cuda_graph_max_mixed_tokens", "seed",
+    "enforce_eager", "async_scheduling", "shared_expert_overlap", "warmup", "cuda_graph_max_batch_size",
+    "cuda_graph_max_mixed_tokens", "seed",
     "moe_backend", "attention_backend", "linear_backend", "tensor_parallel_size", "enable_expert_parallel",
     "max_waiting_requests", "chat_template", "generation_config", "override_generation_config", "enable_prefix_caching",
     "prefix_cache_slots", "num_speculative_tokens", "scheduling_policy", "allowed_local_media_path",
@@ -159,6 +160,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                         help="wait for each step's sampled tokens before scheduling the next one (default: "
                              "schedule and queue the next step while the GPU runs this one)")
+    engine.add_argument("--no-shared-expert-overlap", dest="shared_expert_overlap", action="store_false",
+                        default=None, help="run each MoE block's shared expert after its routed experts on one CUDA "
+                                           "stream (default: beside them, on a second stream)")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up: dummy requests that compile and autotune the kernels "
                              "of every step shape before the server takes requests (GPU only; default: run it)")

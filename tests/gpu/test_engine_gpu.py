@@ -405,3 +405,21 @@ def test_ngram_speculation_on_gpu() -> None:
     stats = llm.engine.stats()
     assert stats["model_steps_verify_graph"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
     assert llm.engine.blocks.all_free()
+
+
+def test_shared_expert_stream_matches_inline_on_gpu() -> None:
+    """The shared expert on its own stream beside the routed experts (the default) gives the tokens of the
+    inline order, in prefills (eager and mixed-step graphs) and decode-step graphs, greedy and seeded."""
+    from nibble.layers.moe import SparseMoE
+
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in range(4)]
+    params += [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    tokens = {}
+    for overlap in (False, True):
+        llm = LLM(device="cuda", max_model_len=512, shared_expert_overlap=overlap, extra={"num_kv_blocks": 512})
+        blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+        assert blocks and all((b.side_stream is not None) == overlap for b in blocks)
+        tokens[overlap] = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+        assert llm.engine.blocks.all_free()
+        del llm
+    assert tokens[True] == tokens[False]
