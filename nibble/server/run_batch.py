@@ -30,7 +30,8 @@ from nibble.server.batch_format import (
     parse_batch_lines,
     response_line,
 )
-from nibble.server.launch import LOG_LEVELS, add_engine_cli_args, app_settings, engine_config_kwargs
+from nibble.server.engine_args import add_engine_cli_args, engine_config_kwargs
+from nibble.server.launch import LOG_LEVELS, app_settings
 
 logger = logging.getLogger("nibble.server")
 
