@@ -28,9 +28,10 @@ from nibble.server.errors import APIError
 from nibble.server.messages_protocol import AnthropicError
 from nibble.server.metrics import ServerMetrics
 from nibble.server.protocol import ModelCard, ModelList, no_reserved_template_kwargs
+from nibble.server.request_body import read_json_body
 from nibble.server.request_ids import RequestIdHeader
 from nibble.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from nibble.server.serving_base import engine_core, json_response, read_json_body
+from nibble.server.serving_base import engine_core, json_response
 from nibble.server.serving_chat import ChatServing
 from nibble.server.serving_completions import CompletionServing
 from nibble.server.serving_messages import MessagesServing

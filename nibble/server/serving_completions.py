@@ -30,15 +30,13 @@ from nibble.server.protocol import (
     PromptLogprob,
     UsageInfo,
 )
+from nibble.server.request_body import UNSUPPORTED_FIELDS, parse_model, reject_unsupported
 from nibble.server.request_ids import engine_request_id, request_id_of
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
-    UNSUPPORTED_FIELDS,
     OpenAIServing,
     check_generation_error,
     json_response,
-    parse_model,
-    reject_unsupported,
     usage_of,
     wait_unless_disconnected,
 )

@@ -50,14 +50,12 @@ from nibble.server.messages_protocol import (
 )
 from nibble.server.messages_stream import MessageEventWriter
 from nibble.server.protocol import SHARED_SAMPLING_FIELDS, ChatCompletionRequest
+from nibble.server.request_body import parse_model, read_json_body, reject_unsupported
 from nibble.server.serving_base import (
     CLIENT_CLOSED,
     check_generation_error,
     json_response,
     leaves_thinking,
-    parse_model,
-    read_json_body,
-    reject_unsupported,
     wait_unless_disconnected,
 )
 from nibble.server.serving_chat import ChatServing

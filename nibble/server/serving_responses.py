@@ -24,6 +24,7 @@ from nibble.server.engine_streams import EngineJob, EngineStreams
 from nibble.server.errors import APIError, ClientDisconnected, bad_request
 from nibble.server.protocol import SHARED_SAMPLING_FIELDS, ChatCompletionRequest
 from nibble.server.reasoning import THINK_END
+from nibble.server.request_body import parse_model
 from nibble.server.response_store import ResponseStore, StoredResponse, input_items_with_ids
 from nibble.server.responses_items import (
     ItemError,
@@ -49,7 +50,6 @@ from nibble.server.serving_base import (
     check_generation_error,
     json_response,
     leaves_thinking,
-    parse_model,
     wait_unless_disconnected,
 )
 from nibble.server.serving_chat import ChatServing

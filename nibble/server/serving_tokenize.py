@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nibble.server.errors import bad_request
 from nibble.server.protocol import no_reserved_template_kwargs
-from nibble.server.serving_base import OpenAIServing, json_response, parse_model
+from nibble.server.request_body import parse_model
+from nibble.server.serving_base import OpenAIServing, json_response
 
 
 class TokenizeRequest(BaseModel):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from nibble.server import serving_base
+from nibble.server import request_body
 
 from .conftest import MAX_MODEL_LEN, ServerHandle
 
@@ -162,7 +162,7 @@ def test_malformed_body_is_400(http: httpx.Client, path: str, raw: bytes) -> Non
 
 
 def test_oversized_and_deeply_nested_bodies(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serving_base, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(request_body, "MAX_BODY_BYTES", 1000)
     check_error(http.post(COMPLETIONS, json=completion(prompt="x" * 2000)), 413)
     monkeypatch.undo()
     check_error(http.post(COMPLETIONS, content=b"[" * 100_000 + b"]" * 100_000), 400)

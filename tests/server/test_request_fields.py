@@ -17,8 +17,8 @@ from nibble.engine.token_masks import tokenize_bad_words
 from nibble.engine.tokenizer import Tokenizer
 from nibble.server.messages_protocol import MessagesRequest
 from nibble.server.protocol import SHARED_SAMPLING_FIELDS, ChatCompletionRequest
+from nibble.server.request_body import ignored_fields
 from nibble.server.responses_protocol import ResponsesRequest
-from nibble.server.serving_base import ignored_fields
 from nibble.server.serving_messages import MessagesServing
 from nibble.server.serving_responses import ResponsesServing
 
