@@ -16,6 +16,9 @@ uncombined (`MoEOutput`): the next RMSNorm combines them in its own launch (`rms
 On a GPU the shared expert may run on a second stream (`overlap_shared_experts`) while the routed experts run
 on the current one: at small batches the routed kernels are bound by their own latency and leave most SMs
 and bandwidth idle, and the two branches only meet in the combination. CUDA graphs capture the fork and join.
+Measured on the H200 (122B-A10B decode steps, docs/benchmarks.md): 2.4-3.8% shorter steps at 2-16 tokens,
+1% at 32, 0.3% at 64, but 1% longer at one token, which therefore stays on one stream
+(SHARED_OVERLAP_MIN_TOKENS).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ from nibble.layers.parallel import (
 from nibble.models.config import ModelConfig
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+# fewest tokens of a step for which the shared expert runs on its own stream (see the module docstring)
+SHARED_OVERLAP_MIN_TOKENS = 2
 
 
 class RoutedExperts(nn.Module):
@@ -249,7 +255,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | MoEOutput:
         router_logits, gate, up, shared_gate_logit = self.in_proj(hidden)
-        side = self.side_stream if hidden.is_cuda else None
+        side = self.side_stream if hidden.is_cuda and hidden.shape[0] >= SHARED_OVERLAP_MIN_TOKENS else None
         if side is not None:
             main = torch.cuda.current_stream(hidden.device)
             side.wait_stream(main)

@@ -408,8 +408,9 @@ def test_ngram_speculation_on_gpu() -> None:
 
 
 def test_shared_expert_stream_matches_inline_on_gpu() -> None:
-    """The shared expert on its own stream beside the routed experts (the default) gives the tokens of the
-    inline order, in prefills (eager and mixed-step graphs) and decode-step graphs, greedy and seeded."""
+    """The shared expert on its own stream beside the routed experts (the default, from 2 tokens a step) gives
+    the tokens of the inline order, in prefills (eager and mixed-step graphs) and decode-step graphs (batch 1
+    inline, larger ones with the fork), greedy and seeded."""
     from nibble.layers.moe import SparseMoE
 
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in range(4)]
