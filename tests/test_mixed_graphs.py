@@ -159,6 +159,36 @@ def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_padding_tokens_are_routed_to_no_expert() -> None:
+    """The MoE blocks of a padded step see the real tokens routed as usual and the padding routed nowhere, so
+    the experts' work follows the step's tokens, not the graph's size."""
+    from dataclasses import replace
+
+    from nibble.layers.moe import SparseMoE
+
+    engine = _engine()
+    runner = engine.runner
+    lens = [(0, 13), (7, 1), (20, 1)]
+    num_tokens = sum(n for _, n in lens)
+    seen: list[torch.Tensor] = []
+    for block in runner.model.modules():
+        if isinstance(block, SparseMoE):
+            fused = block.kernels.fused_moe
+
+            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
+                seen.append(ids.clone())
+                return fused(x, w, ids, experts)
+
+            block.kernels = replace(block.kernels, fused_moe=spy)
+    graphs = _install(engine)
+    key = graphs.padded_size(num_tokens, len(lens), 13)
+    assert key is not None and key[0] > num_tokens
+    assert runner.run(_step(engine, lens, seed=3)) is not None
+    assert seen and all(ids.shape[0] == key[0] for ids in seen)
+    for ids in seen:
+        assert bool((ids[:num_tokens] >= 0).all()) and bool((ids[num_tokens:] == -1).all())
+
+
 def test_step_counts_say_what_ran() -> None:
     """A padded step counts as a mixed-step graph only when a graph of its size was replayed; computed eagerly
     (no graph of that size) it counts as eager, as an unpadded step does."""

@@ -1,6 +1,7 @@
 """CUDA graphs for decode steps: one graph per padded batch size, all sharing static input buffers and one
 memory pool. A decode batch of B sequences runs the smallest captured size >= B; padded rows read block 0
-and state slot 0 (reserved scratch) and write no KV (slot -1).
+and state slot 0 (reserved scratch), write no KV (slot -1) and are routed to no expert (the batch's
+num_valid_tokens is B), so they cost the MoE blocks nothing.
 
 `capture_set` captures any of the runner's graph sets (these, mixed_graphs.py's, spec_decode.py's verify
 graphs) size by size, the tensor-parallel ranks in step."""
@@ -149,6 +150,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.state_slots = torch.zeros(n, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.num_valid_tokens = torch.full((1,), n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple | None = None
@@ -158,7 +160,8 @@ class DecodeGraphs:
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             seq_lens=self.seq_lens[:bs], block_table=self.block_table[:bs], slot_mapping=self.slot_mapping[:bs],
             state_slots=self.state_slots[:bs], logits_indices=self.logits_indices[:bs], max_query_len=1,
-            max_seq_len=self.max_seq_len, cu_seqlens_q_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
+            max_seq_len=self.max_seq_len, cu_seqlens_q_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
+            num_valid_tokens=self.num_valid_tokens)
 
     def _step(self, bs: int) -> torch.Tensor:
         batch = self._batch(bs)
@@ -196,14 +199,16 @@ class DecodeGraphs:
         table = torch.tensor(flat + [0] * (pad * width), dtype=torch.int32).view(bs, width)
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad],
                             dtype=torch.int64)
-        small = torch.tensor([seq_lens + [1] * pad, state_slots + [0] * pad], dtype=torch.int32)
+        # the sequence count rides in a spare column of the same copy
+        small = torch.tensor([seq_lens + [1] * pad + [num_seqs], state_slots + [0] * pad + [0]], dtype=torch.int32)
         host_d = to_device_async(host, self.device)
         small_d = to_device_async(small, self.device)
         self.input_ids[:bs].copy_(host_d[0])
         self.positions[:bs].copy_(host_d[1])
         self.slot_mapping[:bs].copy_(host_d[2])
-        self.seq_lens[:bs].copy_(small_d[0])
-        self.state_slots[:bs].copy_(small_d[1])
+        self.seq_lens[:bs].copy_(small_d[0, :bs])
+        self.state_slots[:bs].copy_(small_d[1, :bs])
+        self.num_valid_tokens.copy_(small_d[0, bs:])
         self.block_table[:bs, :width].copy_(to_device_async(table, self.device))
         if pending is not None:
             self.input_ids[pending[0]] = pending[1]

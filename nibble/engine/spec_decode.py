@@ -150,7 +150,8 @@ class _VerifyGraph:
 class VerifyGraphs:
     """CUDA graphs of verify steps for padded batch sizes up to max_batch_size: per size a target graph
     (forward pass of n rows per sequence and their logits) and a drafting graph (`draft_after_verify`),
-    sharing static inputs and one memory pool. Padded rows use block 0 and state slot 0 (scratch). With
+    sharing static inputs and one memory pool. Padded rows use block 0 and state slot 0 (scratch) and are
+    routed to no expert in the target pass and the head's pass over the verified rows. With
     mtp_drafts false (n-gram drafts, found on the host) only the target graphs are captured."""
 
     def __init__(self, model: nn.Module, caches: ModelCaches, max_batch_size: int, num_spec_tokens: int,
@@ -179,6 +180,7 @@ class VerifyGraphs:
         self.logits_indices = torch.arange(m * n, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(m, n, dtype=torch.int64, device=device)
         self.num_accepted = torch.zeros(m, dtype=torch.int64, device=device)
+        self.num_valid_tokens = torch.full((1,), m * n, dtype=torch.int32, device=device)
         self.graphs: dict[int, _VerifyGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}
         self.pool: tuple | None = None
@@ -190,7 +192,8 @@ class VerifyGraphs:
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1], seq_lens=self.seq_lens[:bs], block_table=self.block_table[:bs],
             slot_mapping=self.slot_mapping[: bs * n], state_slots=self.state_slots[:bs],
             logits_indices=self.logits_indices[: bs * n], max_query_len=n, max_seq_len=self.max_seq_len,
-            cu_seqlens_q_cpu=list(range(0, bs * n + 1, n)), seq_lens_cpu=[n] * bs, spec_slots=self.spec_slots[:bs])
+            cu_seqlens_q_cpu=list(range(0, bs * n + 1, n)), seq_lens_cpu=[n] * bs, spec_slots=self.spec_slots[:bs],
+            num_valid_tokens=self.num_valid_tokens)
 
     def _target(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.batch(bs), self.caches)
@@ -246,15 +249,16 @@ class VerifyGraphs:
         small = [c + n for c in context_lens] + [n] * pad
         spec = [s for row in spec_slots for s in row] + [0] * (pad * n)
         host = to_device_async(torch.tensor([ids, pos, slots], dtype=torch.int64), self.device)
-        ints = to_device_async(torch.tensor(small + [r[0] for r in spec_slots] + [0] * pad + spec + table,
-                                            dtype=torch.int32), self.device)
+        ints = to_device_async(torch.tensor(small + [r[0] for r in spec_slots] + [0] * pad + spec + table
+                                            + [num_seqs * n], dtype=torch.int32), self.device)
         self.input_ids[: bs * n].copy_(host[0])
         self.positions[: bs * n].copy_(host[1])
         self.slot_mapping[: bs * n].copy_(host[2])
         self.seq_lens[:bs].copy_(ints[:bs])
         self.state_slots[:bs].copy_(ints[bs:2 * bs])
         self.spec_slots[:bs].copy_(ints[2 * bs:2 * bs + bs * n].view(bs, n))
-        self.block_table[:bs, :width].copy_(ints[2 * bs + bs * n:].view(bs, width))
+        self.block_table[:bs, :width].copy_(ints[2 * bs + bs * n:-1].view(bs, width))
+        self.num_valid_tokens.copy_(ints[-1:])
 
     def run_target(self, bs: int) -> torch.Tensor:
         """Replay the target graph of size bs; fp32 logits [bs, n, V] (the graph's own buffer)."""

@@ -47,15 +47,22 @@ class MoEWeights:
         return self.w13[e].to(dtype), self.w2[e].to(dtype)
 
 
-def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
+              num_valid_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); softmax in fp32,
-    top-k, optional renormalisation of the k weights to sum 1."""
+    top-k, optional renormalisation of the k weights to sum 1. num_valid_tokens: int32 [1] on the logits'
+    device, or None; rows from it on are padding of a CUDA-graph batch and get ids -1 (fused_moe skips
+    them) and weights 0."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if num_valid_tokens is not None:
+        live = (torch.arange(ids.shape[0], device=ids.device) < num_valid_tokens)[:, None]
+        weights = torch.where(live, weights, 0.0)
+        ids = torch.where(live, ids, -1)
+    return weights, ids
 
 
 def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

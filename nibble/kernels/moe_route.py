@@ -8,8 +8,9 @@ from nibble.kernels._triton import next_pow2, tl, triton
 
 
 @triton.jit(do_not_specialize=["n_tok"])
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_tok, n_exp, stride_l, TOP_K: tl.constexpr,
-                  RENORM: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, n_tok, n_exp, stride_l, TOP_K: tl.constexpr,
+                  RENORM: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                  HAS_VALID: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, BLOCK_E)
     rmask = rows < n_tok
@@ -34,18 +35,26 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_tok, n_exp, stride_l, TOP_K: tl.
         p = tl.where(e[None, :] == idx[:, None], -1.0, p)
     if RENORM:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    if HAS_VALID:
+        live = rows < tl.load(valid_ptr)
+        top_w = tl.where(live[:, None], top_w, 0.0)
+        top_i = tl.where(live[:, None], top_i, -1)
     offs = rows[:, None] * TOP_K + kk[None, :]
     omask = rmask[:, None] & (kk[None, :] < TOP_K)
     tl.store(w_ptr + offs, top_w, mask=omask)
     tl.store(ids_ptr + offs, top_i, mask=omask)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
+          num_valid_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_ref`: router_logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]), sorted by
-    weight, descending."""
+    weight, descending; rows from num_valid_tokens (int32 [1] on the logits' device) on get ids -1."""
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"route: logits must be [T, E] with contiguous experts, got {tuple(router_logits.shape)}")
+    if num_valid_tokens is not None and (num_valid_tokens.dtype != torch.int32 or num_valid_tokens.numel() != 1
+                                         or num_valid_tokens.device != router_logits.device):
+        raise ValueError(f"route: num_valid_tokens must be one int32 on {router_logits.device}, got "
+                         f"{num_valid_tokens.dtype} {tuple(num_valid_tokens.shape)} on {num_valid_tokens.device}")
     t, e = router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"route: top_k {top_k} not in 1..{e}")
@@ -57,6 +66,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
         # a row over 4 warps cost two block-wide barriers per round, 16 us per decode step's route on an
         # H200 (12% of a 122B-A10B batch-1 step).
         _route_kernel[(t,)](
-            router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k, RENORM=renormalize,
-            K_PAD=next_pow2(top_k), ROWS=1, BLOCK_E=block_e, num_warps=1 if block_e <= 512 else 4)
+            router_logits, weights, ids, ids if num_valid_tokens is None else num_valid_tokens, t, e,
+            router_logits.stride(0), TOP_K=top_k, RENORM=renormalize, K_PAD=next_pow2(top_k), ROWS=1,
+            BLOCK_E=block_e, HAS_VALID=num_valid_tokens is not None, num_warps=1 if block_e <= 512 else 4)
     return weights, ids

@@ -55,6 +55,9 @@ class ForwardBatch:
     rope_cos_sin: torch.Tensor | None = None
     mm_token_index: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
+    # int32 [1]: tokens from this index on are padding of a CUDA-graph batch, which the MoE blocks route
+    # nowhere (None: every token is real)
+    num_valid_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -253,7 +253,10 @@ class SparseMoE(nn.Module):
         # the stream the shared expert runs on beside the routed experts (`overlap_shared_experts`), or None
         self.side_stream: torch.cuda.Stream | None = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | MoEOutput:
+    def forward(self, hidden: torch.Tensor, num_valid_tokens: torch.Tensor | None = None
+                ) -> torch.Tensor | MoEOutput:
+        """hidden [T, H]; num_valid_tokens: int32 [1], tokens from it on (padding of a CUDA-graph batch) are
+        routed to no expert (their routed output is 0)."""
         router_logits, gate, up, shared_gate_logit = self.in_proj(hidden)
         side = self.side_stream if hidden.is_cuda and hidden.shape[0] >= SHARED_OVERLAP_MIN_TOKENS else None
         if side is not None:
@@ -263,7 +266,7 @@ class SparseMoE(nn.Module):
             # next use comes after the next layer's fork, i.e. after everything queued here: no record_stream
             with torch.cuda.stream(side):
                 shared = self.shared_down(self.kernels.silu_and_mul(gate, up))
-        topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.kernels.route(router_logits, self.top_k, self.renormalize, num_valid_tokens)
         if self.expert_parallel:
             topk_weights, topk_ids = self.experts.localize(topk_weights, topk_ids)
         routed = self.kernels.fused_moe(hidden, topk_weights, topk_ids, self.experts.weights())

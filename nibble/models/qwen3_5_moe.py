@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
             hidden = self.linear_attn(hidden, batch, state)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         assert residual is not None
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, batch.num_valid_tokens), residual
 
 
 class Qwen3_5MoeForCausalLM(nn.Module):

@@ -32,6 +32,25 @@ def test_route(renorm: bool) -> None:
     assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
 
 
+@pytest.mark.parametrize("num_valid", [0, 7, 19])
+def test_route_leaves_padding_rows_unrouted(num_valid: int) -> None:
+    """Rows from num_valid_tokens on (padding of a CUDA-graph batch) get expert -1 and weight 0; the others
+    are routed as without the count."""
+    logits = torch.randn(19, 37)
+    count = torch.tensor([num_valid], dtype=torch.int32)
+    w, ids = route(logits, 5, True, count)
+    w_ref, ids_ref = route_ref(logits, 5, True, count)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) < 1e-6
+    w_all, ids_all = route(logits, 5, True)
+    assert torch.equal(ids[:num_valid], ids_all[:num_valid]) and torch.equal(w[:num_valid], w_all[:num_valid])
+    assert bool((ids[num_valid:] == -1).all()) and bool((w[num_valid:] == 0).all())
+
+
+def test_route_rejects_a_bad_count() -> None:
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        route(torch.randn(4, 8), 2, True, torch.tensor([3], dtype=torch.int64))
+
+
 def test_route_strided_logits_of_fused_projection() -> None:
     """The router logits are the first columns of the MoE block's fused projection: read in place."""
     y = torch.randn(21, 37 + 2 * 10 + 1)
