@@ -238,6 +238,15 @@ def test_route(fn: Callable, ctx: SelfTestContext) -> float:
     picked, picked_ref = lf.gather(1, ids.long()), lf.gather(1, ids_ref.long())
     if not torch.equal(picked, picked_ref):
         raise SelfTestFailure("selected experts differ from the reference")
+    # a CUDA graph's padded batch: its padding rows route to no expert, the others as without the count
+    num_valid = 20
+    count = torch.tensor([num_valid], dtype=torch.int32, device=ctx.device)
+    wv, idsv = _call(fn, ctx.device, [((t, c.num_experts_per_tok), torch.float32)], logits, c.num_experts_per_tok,
+                     c.norm_topk_prob, count)
+    if not (torch.equal(idsv[:num_valid], ids[:num_valid]) and torch.equal(wv[:num_valid], w[:num_valid])):
+        raise SelfTestFailure("rows below num_valid_tokens routed differently with the count")
+    if not (bool((idsv[num_valid:] == -1).all()) and bool((wv[num_valid:] == 0).all())):
+        raise SelfTestFailure("rows from num_valid_tokens on were routed")
     return rel_err("weights", w, w_ref, 1e-5)
 
 
