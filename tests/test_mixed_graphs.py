@@ -189,6 +189,50 @@ def test_padding_tokens_are_routed_to_no_expert() -> None:
         assert bool((ids[:num_tokens] >= 0).all()) and bool((ids[num_tokens:] == -1).all())
 
 
+def test_padded_decode_graph_routes_only_real_sequences() -> None:
+    """A decode batch of 3 in the 4-row decode graph (its replay computed eagerly here): the real rows' logits
+    are the plain step's, and the padding row is routed to no expert."""
+    from dataclasses import replace
+
+    from nibble.engine.cuda_graphs import DecodeGraphs
+    from nibble.layers.moe import SparseMoE
+
+    engine = _engine()
+    runner = engine.runner
+    lens = [(5, 1), (9, 1), (2, 1)]
+    step = _step(engine, lens, seed=4)
+    saved = _snapshot(engine)
+    plain = runner.run(step)
+    _restore(engine, saved)
+    seen: list[torch.Tensor] = []
+    for block in runner.model.modules():
+        if isinstance(block, SparseMoE):
+            fused = block.kernels.fused_moe
+
+            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
+                seen.append(ids.clone())
+                return fused(x, w, ids, experts)
+
+            block.kernels = replace(block.kernels, fused_moe=spy)
+    graphs = DecodeGraphs(runner.model, runner.caches, 4, runner.max_num_blocks_per_seq, runner.max_model_len,
+                          runner.device)
+    assert graphs.padded_size(3) == 4
+
+    class _Replay:
+        def replay(self) -> None:
+            graphs.outputs[4] = graphs._step(4)
+
+    graphs.graphs[4] = _Replay()  # type: ignore[assignment]
+    runner.graphs = graphs
+    padded = runner.run(step)
+    assert runner.step_counts["decode_graph"] == 1
+    assert padded is not None and plain is not None
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    assert seen and all(ids.shape[0] == 4 for ids in seen)
+    for ids in seen:
+        assert bool((ids[:3] >= 0).all()) and bool((ids[3] == -1).all())
+
+
 def test_step_counts_say_what_ran() -> None:
     """A padded step counts as a mixed-step graph only when a graph of its size was replayed; computed eagerly
     (no graph of that size) it counts as eager, as an unpadded step does."""
