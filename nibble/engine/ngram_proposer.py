@@ -59,13 +59,20 @@ def find_ngram_continuation(tokens: np.ndarray, num_drafts: int, min_n: int, max
     n = min_n
     if length < n + 1:
         return None
-    # windows starting at p < length - n end before the last token, so at least one token follows them
+    # windows starting at p < length - n end before the last token, so at least one token follows them. One
+    # pass finds the windows starting with the suffix's first token; when those are few (a rare token: most
+    # text) only they are checked further, else (a token on every few positions) whole-array passes are cheaper
     num_windows = length - n
     tail = tokens[length - n:]
     match = tokens[:num_windows] == tail[0]
-    for j in range(1, n):
-        match &= tokens[j:j + num_windows] == tail[j]
     starts = np.flatnonzero(match)
+    if starts.size * 16 > num_windows:
+        for j in range(1, n):
+            match &= tokens[j:j + num_windows] == tail[j]
+        starts = np.flatnonzero(match)
+    else:
+        for j in range(1, n):
+            starts = starts[tokens[starts + j] == tail[j]]
     if starts.size == 0:
         return None
     # a longer suffix matches at p - 1 where the n-gram matched at p and the token before each agrees
