@@ -227,3 +227,49 @@ def test_offline_commands_take_the_speculative_config(capsys: pytest.CaptureFixt
     assert main(["generate", "--device", "cpu", "--prompt", "x", "--speculative-config", spec,
                  "--num-speculative-tokens", "2"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_padded_verify_graphs_match_eager_verify_steps() -> None:
+    """Verify steps of 3 sequences through the 4-sequence verify graph (each replay computed eagerly here, as the
+    captured graph would): the greedy outputs of eager verify steps, and the padding sequence's rows routed to
+    no expert."""
+    from dataclasses import replace
+
+    from nibble.engine.spec_decode import VerifyGraphs, _VerifyGraph
+    from nibble.layers.moe import SparseMoE
+
+    prompts = _repetitive_prompts(3, seed=5)
+    eager = _run(_ngram_engine(k=2), prompts, GREEDY)
+    engine = _ngram_engine(k=2)
+    runner = engine.runner
+    seen: list[torch.Tensor] = []
+    for block in runner.model.modules():
+        if isinstance(block, SparseMoE):
+            fused = block.kernels.fused_moe
+
+            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
+                seen.append(ids.clone())
+                return fused(x, w, ids, experts)
+
+            block.kernels = replace(block.kernels, fused_moe=spy)
+    graphs = VerifyGraphs(runner.model, runner.caches, 4, 2, runner.max_num_blocks_per_seq, runner.max_seq_len,
+                          runner.block_size, runner.device, mtp_drafts=False)
+    assert graphs.sizes[-1] == 4
+
+    class _Replay:
+        def __init__(self, bs: int, logits: torch.Tensor) -> None:
+            self.bs, self.logits = bs, logits
+
+        def replay(self) -> None:
+            self.logits.copy_(graphs._target(self.bs)[1])
+
+    for bs in graphs.sizes:
+        logits = torch.empty(bs * graphs.n, runner.model_config.vocab_size)
+        graphs.graphs[bs] = _VerifyGraph(_Replay(bs, logits), None, logits, None)  # type: ignore[arg-type]
+    runner.verify_graphs = graphs
+    assert _run(engine, prompts, GREEDY) == eager
+    assert runner.step_counts["verify_graph"] > 0
+    padded = [ids for ids in seen if ids.shape[0] == 4 * graphs.n]
+    assert padded
+    for ids in padded:
+        assert bool((ids[:3 * graphs.n] >= 0).all()) and bool((ids[3 * graphs.n:] == -1).all())
