@@ -424,3 +424,20 @@ def test_shared_expert_stream_matches_inline_on_gpu() -> None:
         assert llm.engine.blocks.all_free()
         del llm
     assert tokens[True] == tokens[False]
+
+
+def test_padded_decode_graphs_match_eager_steps() -> None:
+    """Decode batches of 5, 4, 3, 2, 1 sequences (requests ending one after another) replayed from the 8-, 4-, 2-
+    and 1-row graphs, whose padding rows are routed to no expert, give the greedy tokens of eager steps (fp32)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+    prompts = _prompts()[:5]
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(device="cuda", dtype="float32", max_model_len=512, enforce_eager=eager,
+                  extra={"num_kv_blocks": 256})
+        assert (llm.engine.runner.graphs is None) == eager
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if not eager:
+            assert llm.engine.runner.step_counts["decode_graph"] > 10
+        del llm
+    assert tokens[False] == tokens[True]
