@@ -227,6 +227,10 @@ stage_specngram() {  # decode with n-gram drafts (own, and acceptance forced at 
     --out "$OUT/specngram.json"
 }
 stage_visiontests() { NIBBLE_TEST_GPU=1 run visiontests 300 python3 -m pytest -q -s tests/gpu/test_vision_gpu.py -p no:cacheprovider -rf; }
+stage_padtests() {  # graph padding routed to no expert: decode, mixed-step and verify graphs against eager steps, route
+  NIBBLE_TEST_GPU=1 run padtests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_spec_decode_gpu.py \
+    tests/gpu/test_kernels_gpu.py -k "padded_decode or mixed_step or verify_graphs or test_route" -p no:cacheprovider -rf
+}
 stage_mixedtests() { NIBBLE_TEST_GPU=1 run mixedtests 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k mixed -p no:cacheprovider -rf; }
 stage_mixedbench() {  # short prefills / arrivals next to decoding requests: mixed-step CUDA graphs against eager steps
   run mixedbench 420 python3 benchmarks/mixed_graphs_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/mixedbench.json"
