@@ -14,6 +14,7 @@ from nibble.engine.mixed_graphs import GraphKey, MixedGraphs, mixed_capture_size
 from nibble.engine.sampling_params import SamplingParams
 from nibble.engine.step_inputs import StepInputs
 from nibble.kernels.gated_delta import RECURRENT_MAX_TOKENS
+from tests.helpers.moe_routing import record_routing
 
 
 def _engine(**kwargs: object) -> LLMEngine:
@@ -162,24 +163,11 @@ def test_padded_step_equals_plain_step(lens: list[tuple[int, int]]) -> None:
 def test_padding_tokens_are_routed_to_no_expert() -> None:
     """The MoE blocks of a padded step see the real tokens routed as usual and the padding routed nowhere, so
     the experts' work follows the step's tokens, not the graph's size."""
-    from dataclasses import replace
-
-    from nibble.layers.moe import SparseMoE
-
     engine = _engine()
     runner = engine.runner
     lens = [(0, 13), (7, 1), (20, 1)]
     num_tokens = sum(n for _, n in lens)
-    seen: list[torch.Tensor] = []
-    for block in runner.model.modules():
-        if isinstance(block, SparseMoE):
-            fused = block.kernels.fused_moe
-
-            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
-                seen.append(ids.clone())
-                return fused(x, w, ids, experts)
-
-            block.kernels = replace(block.kernels, fused_moe=spy)
+    seen = record_routing(runner.model)
     graphs = _install(engine)
     key = graphs.padded_size(num_tokens, len(lens), 13)
     assert key is not None and key[0] > num_tokens
@@ -192,10 +180,7 @@ def test_padding_tokens_are_routed_to_no_expert() -> None:
 def test_padded_decode_graph_routes_only_real_sequences() -> None:
     """A decode batch of 3 in the 4-row decode graph (its replay computed eagerly here): the real rows' logits
     are the plain step's, and the padding row is routed to no expert."""
-    from dataclasses import replace
-
     from nibble.engine.cuda_graphs import DecodeGraphs
-    from nibble.layers.moe import SparseMoE
 
     engine = _engine()
     runner = engine.runner
@@ -204,16 +189,7 @@ def test_padded_decode_graph_routes_only_real_sequences() -> None:
     saved = _snapshot(engine)
     plain = runner.run(step)
     _restore(engine, saved)
-    seen: list[torch.Tensor] = []
-    for block in runner.model.modules():
-        if isinstance(block, SparseMoE):
-            fused = block.kernels.fused_moe
-
-            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
-                seen.append(ids.clone())
-                return fused(x, w, ids, experts)
-
-            block.kernels = replace(block.kernels, fused_moe=spy)
+    seen = record_routing(runner.model)
     graphs = DecodeGraphs(runner.model, runner.caches, 4, runner.max_num_blocks_per_seq, runner.max_model_len,
                           runner.device)
     assert graphs.padded_size(3) == 4

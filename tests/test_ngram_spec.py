@@ -18,6 +18,7 @@ from nibble.engine.ngram_proposer import NgramProposer, TokenHistory, find_ngram
 from nibble.engine.request import Request
 from nibble.engine.sampling_params import SamplingParams
 from nibble.server.launch import add_cli_args, engine_config_kwargs
+from tests.helpers.moe_routing import record_routing
 from tests.test_spec_decode import _Oracle, _run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -233,25 +234,13 @@ def test_padded_verify_graphs_match_eager_verify_steps() -> None:
     """Verify steps of 3 sequences through the 4-sequence verify graph (each replay computed eagerly here, as the
     captured graph would): the greedy outputs of eager verify steps, and the padding sequence's rows routed to
     no expert."""
-    from dataclasses import replace
-
     from nibble.engine.spec_decode import VerifyGraphs, _VerifyGraph
-    from nibble.layers.moe import SparseMoE
 
     prompts = _repetitive_prompts(3, seed=5)
     eager = _run(_ngram_engine(k=2), prompts, GREEDY)
     engine = _ngram_engine(k=2)
     runner = engine.runner
-    seen: list[torch.Tensor] = []
-    for block in runner.model.modules():
-        if isinstance(block, SparseMoE):
-            fused = block.kernels.fused_moe
-
-            def spy(x, w, ids, experts, fused=fused):  # type: ignore[no-untyped-def]
-                seen.append(ids.clone())
-                return fused(x, w, ids, experts)
-
-            block.kernels = replace(block.kernels, fused_moe=spy)
+    seen = record_routing(runner.model)
     graphs = VerifyGraphs(runner.model, runner.caches, 4, 2, runner.max_num_blocks_per_seq, runner.max_seq_len,
                           runner.block_size, runner.device, mtp_drafts=False)
     assert graphs.sizes[-1] == 4
