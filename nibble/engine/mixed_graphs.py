@@ -16,8 +16,8 @@ reserved scratch), so every kernel skips them; tokens T..T_pad-1 belong to no se
 KV slot -1): the attention and Gated DeltaNet kernels leave their rows unset, so what the later layers compute
 for them is unspecified (possibly not finite). No kernel mixes token rows, and only the real sequences' last
 rows are read, so their garbage stays in their own rows. The MoE blocks route them to no expert (the batch's
-num_valid_tokens is T): a step of 48 tokens in a 96-token graph would otherwise run the experts for 96 tokens,
-8 pairs each.
+num_valid_tokens is a view of cu_seqlens_q[B_pad], which is T): a step of 48 tokens in a 96-token graph would
+otherwise run the experts for 96 tokens, 8 pairs each.
 
 Under speculative decoding (`full_hidden`) the graph returns the hidden rows of every token instead, which the
 MTP head's pass over the prefill chunks reads (eagerly, after the target's tokens are sampled).
@@ -75,7 +75,6 @@ class MixedGraphs:
         self.state_slots = torch.zeros(b, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(b, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(b, max_num_blocks_per_seq, dtype=torch.int32, device=device)
-        self.num_valid_tokens = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         # the memory pool to capture into (e.g. the decode graphs'); the first capture makes one if None
@@ -99,7 +98,7 @@ class MixedGraphs:
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], slot_mapping=self.slot_mapping[:t],
             state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b],
             max_query_len=min(t, SPLIT_MAX_QUERY_LEN) if short else t, max_seq_len=self.max_seq_len,
-            num_valid_tokens=self.num_valid_tokens)
+            num_valid_tokens=self.cu_seqlens_q[b: b + 1])
 
     def load(self, key: GraphKey, token_ids: list[list[int]], context_lens: list[int],
              block_tables: list[list[int]], state_slots: list[int], block_size: int,
@@ -118,20 +117,18 @@ class MixedGraphs:
         width = max(map(len, block_tables))
         table = [x for blk in block_tables for x in (*blk, *([0] * (width - len(blk))))]
         tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t], dtype=torch.int64)
-        # the token count rides in a spare column of the same copy
-        seqs = torch.tensor([cu[1:] + [num_tokens] * pad_b + [num_tokens],
-                             seq_lens + [0] * pad_b + [0],
-                             state_slots + [0] * pad_b + [0]], dtype=torch.int32)
+        seqs = torch.tensor([cu[1:] + [num_tokens] * pad_b,
+                             seq_lens + [0] * pad_b,
+                             state_slots + [0] * pad_b], dtype=torch.int32)
         last = torch.tensor([c - 1 for c in cu[1:]] + [0] * pad_b, dtype=torch.int64)
         tokens_d = to_device_async(tokens, self.device)
         seqs_d = to_device_async(seqs, self.device)
         self.input_ids[:t_pad].copy_(tokens_d[0])
         self.positions[:t_pad].copy_(tokens_d[1])
         self.slot_mapping[:t_pad].copy_(tokens_d[2])
-        self.cu_seqlens_q[1: b_pad + 1].copy_(seqs_d[0, :b_pad])
-        self.seq_lens[:b_pad].copy_(seqs_d[1, :b_pad])
-        self.state_slots[:b_pad].copy_(seqs_d[2, :b_pad])
-        self.num_valid_tokens.copy_(seqs_d[0, b_pad:])
+        self.cu_seqlens_q[1: b_pad + 1].copy_(seqs_d[0])
+        self.seq_lens[:b_pad].copy_(seqs_d[1])
+        self.state_slots[:b_pad].copy_(seqs_d[2])
         self.logits_indices[:b_pad].copy_(to_device_async(last, self.device))
         self.block_table[:num_seqs, :width].copy_(
             to_device_async(torch.tensor(table, dtype=torch.int32).view(num_seqs, width), self.device))
