@@ -235,6 +235,10 @@ stage_mixedtests() { NIBBLE_TEST_GPU=1 run mixedtests 300 python3 -m pytest -q t
 stage_mixedbench() {  # short prefills / arrivals next to decoding requests: mixed-step CUDA graphs against eager steps
   run mixedbench 420 python3 benchmarks/mixed_graphs_bench.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/mixedbench.json"
 }
+stage_longctx() {  # YaRN past the pretraining length: a 300k-token prompt on the 35B, two prefill chunkings agree
+  run longctx 560 python3 benchmarks/long_context_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --length 300000 \
+    --out "$OUT/longctx.json"
+}
 stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
   run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
 }
