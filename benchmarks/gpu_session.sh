@@ -239,6 +239,11 @@ stage_longctx() {  # YaRN past the pretraining length: a 300k-token prompt on th
   run longctx 560 python3 benchmarks/long_context_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --length 300000 \
     --out "$OUT/longctx.json"
 }
+stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes (A/B with .bench_assets/paged_attention_old.py)
+  local base=""
+  [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
+  run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $base --out "$OUT/attnprefill.json"
+}
 stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
   run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
 }

@@ -10,6 +10,9 @@ Steps with few query tokens per sequence (decode, and the verify step of specula
 token plus a few drafts) split long contexts over several programs (split-KV) whose partial outputs and
 log-sum-exps a second kernel merges; each program covers all of a sequence's query tokens (up to BLOCK_Q
 of them) and group heads for one KV chunk, so a verify step reads its context once, like a decode step.
+The K/V tiles below the diagonal of a program's first query token, which every row may see, run without the
+causal and range masks (tuning fields `causal_split` / `fp8_causal_split`, default on); only the last tiles
+are masked. A sequence's query blocks run last-first, the ones that see the most keys starting earliest.
 """
 
 from __future__ import annotations
@@ -31,13 +34,56 @@ _VERIFY_FIELDS = ("rows", "block_n", "num_warps", "num_stages")
 
 @triton.jit
 def _load_kv_tile(ptr, offs, mask, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, dtype: tl.constexpr):
-    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    if mask is None:
+        x = tl.load(ptr + offs)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
     if KV_FP8:
         if FP8_NATIVE:
             x = x.to(dtype)
         else:
             x = e4m3_to_f32(x).to(dtype)
     return x
+
+
+@triton.jit
+def _attn_tile(q, k_ptr, v_ptr, bt_ptr, seq, n0, hi, qpos, row_ok, m_i, l_i, acc, qk_scale, kvh, head_dim,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+               DOT_PREC: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """One K/V tile (keys n0 .. n0 + BLOCK_N) of the online softmax: (m_i, l_i, acc) updated. MASKED: keys at
+    or past hi, or after a row's query position, are left out (the last tiles); otherwise the caller vouches
+    that every row may see every key of the tile."""
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        kmask = kpos < hi
+        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE).to(tl.int64)
+    in_page = (kpos % PAGE).to(tl.int64)
+    k_offs = (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
+    v_offs = (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
+    if MASKED:
+        m2 = kmask[:, None] & (d < head_dim)[None, :]
+    elif EVEN_D:
+        m2 = None
+    else:
+        m2 = (d < head_dim)[None, :]
+    cdt = q.dtype
+    k = _load_kv_tile(k_ptr, k_offs, m2, KV_FP8, FP8_NATIVE, cdt)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(v_ptr, v_offs, m2, KV_FP8, FP8_NATIVE, cdt)
+    acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["n_qblk", "n_splits"])
@@ -47,11 +93,13 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
                        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_bt,
                        BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-                       FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+                       FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+                       EVEN_D: tl.constexpr, CAUSAL_SPLIT: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
     seq = pid // n_qblk
-    qb = pid % n_qblk
+    # a sequence's last query blocks see the most keys: started first, they do not trail the others at the end
+    qb = n_qblk - 1 - pid % n_qblk
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(cu_ptr + seq)
@@ -92,27 +140,20 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        kpos = n0 + offs_n
-        kmask = kpos < hi
-        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        in_page = (kpos % PAGE).to(tl.int64)
-        m2 = kmask[:, None] & dmask[None, :]
-        k_offs = (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :]
-        k = _load_kv_tile(k_ptr, k_offs, m2, KV_FP8, FP8_NATIVE, cdt)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_offs = (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :]
-        v = _load_kv_tile(v_ptr, v_offs, m2, KV_FP8, FP8_NATIVE, cdt)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=DOT_PREC)
-        m_i = m_new
+    start = lo
+    if CAUSAL_SPLIT:
+        # tiles whose keys every row of the program may see (below the diagonal of its first query token, inside
+        # [lo, hi)) skip the causal and range masks: in a long prefill nearly all tiles are such
+        start = lo + tl.maximum(tl.minimum(ctx + qb * BLOCK_Q + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, start, BLOCK_N):
+            m_i, l_i, acc = _attn_tile(q, k_ptr, v_ptr, bt_ptr, seq, n0, hi, qpos, row_ok, m_i, l_i, acc, qk_scale,
+                                       kvh, head_dim, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                       stride_vh, stride_bt, BLOCK_N, BLOCK_D, PAGE, KV_FP8, FP8_NATIVE, DOT_PREC,
+                                       False, EVEN_D)
+    for n0 in range(start, hi, BLOCK_N):
+        m_i, l_i, acc = _attn_tile(q, k_ptr, v_ptr, bt_ptr, seq, n0, hi, qpos, row_ok, m_i, l_i, acc, qk_scale,
+                                   kvh, head_dim, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                   stride_bt, BLOCK_N, BLOCK_D, PAGE, KV_FP8, FP8_NATIVE, DOT_PREC, True, EVEN_D)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc * (v_scale / l_safe)[:, None]
@@ -253,7 +294,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         vc.stride(2), out.stride(0), out.stride(1), po.stride(0) if splits > 1 else 0,
         po.stride(1) if splits > 1 else 0, po.stride(2) if splits > 1 else 0, block_table.stride(0),
         BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, PAGE=k_cache.shape[1],
-        KV_FP8=kv_fp8, FP8_NATIVE=native, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
+        KV_FP8=kv_fp8, FP8_NATIVE=native, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype), EVEN_D=block_d == hd,
+        CAUSAL_SPLIT=bool(cfg.get("fp8_causal_split" if kv_fp8 else "causal_split", True)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_splits_kernel[(t, hq)](
