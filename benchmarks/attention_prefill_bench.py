@@ -86,7 +86,9 @@ def _decode_cases(args: argparse.Namespace, base: ModuleType | None) -> list[dic
         tag = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"
         variants: list[tuple[str, Any, dict]] = [("table", pa.paged_attention_launch, {}),
                                                   ("no-split", pa.paged_attention_launch,
-                                                   {"causal_split": 0, "fp8_causal_split": 0})]
+                                                   {"causal_split": 0, "fp8_causal_split": 0}),
+                                                  ("split", pa.paged_attention_launch,
+                                                   {"causal_split": 1, "fp8_causal_split": 1})]
         if base is not None:
             variants.append(("baseline", base.paged_attention_launch, {}))
         for name, fn, cfg in variants:
@@ -117,8 +119,8 @@ def main() -> None:
     tiles = []
     for spec in filter(None, args.sweep.split(",")):
         tile = dict(zip(("rows", "block_n", "num_warps", "num_stages", "causal_split"), map(int, spec.split(":"))))
-        if "causal_split" in tile:
-            tile["fp8_causal_split"] = tile["causal_split"]
+        tile.setdefault("causal_split", 1)
+        tile["fp8_causal_split"] = tile["causal_split"]
         tiles.append(tile)
     rows = []
     for model, kv_dtype, (q_len, ctx) in itertools.product(args.models.split(","),
