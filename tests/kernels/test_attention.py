@@ -99,6 +99,16 @@ def test_prefill_cached_prefix(kv_dtype: torch.dtype) -> None:
     _attention_case([0, 21, 40], [9, 3, 1], 16, 8, 2, 32, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("causal_split", [False, True])
+def test_prefill_causal_split(kv_dtype: torch.dtype, causal_split: bool) -> None:
+    """Long prefills in small tiles (4 query tokens x group 8 per program, 16 keys per tile), with and without
+    the unmasked loop over the tiles below a program's diagonal: many full tiles, a diagonal inside a tile,
+    first query positions one and two keys short of a tile boundary, and query blocks cut by the sequence end."""
+    _attention_case([0, 47, 64, 5, 30, 2], [37, 20, 9, 1, 12, 20], 16, 16, 2, 32, kv_dtype,
+                    config={"rows": 32, "block_n": 16, "causal_split": causal_split, "fp8_causal_split": causal_split})
+
+
 def test_prefill_block32_no_gqa_odd_head_dim() -> None:
     _attention_case([5, 0], [4, 7], 32, 3, 3, 24, torch.float32)
 
