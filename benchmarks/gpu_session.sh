@@ -244,6 +244,11 @@ stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes 
   [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
   run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $base --out "$OUT/attnprefill.json"
 }
+stage_attndecode() {  # the table's prefill tile against the old kernel, and decode / verify with and without the unmasked loop
+  local base=""
+  [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
+  run attndecode 300 python3 benchmarks/attention_prefill_bench.py $base --sweep "" --out "$OUT/attndecode.json"
+}
 stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
   run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
 }

@@ -11,9 +11,9 @@ token plus a few drafts) split long contexts over several programs (split-KV) wh
 log-sum-exps a second kernel merges; each program covers all of a sequence's query tokens (up to BLOCK_Q
 of them) and group heads for one KV chunk, so a verify step reads its context once, like a decode step.
 The K/V tiles below the diagonal of a program's first query token, which every row may see, run without the
-causal and range masks (tuning field `causal_split`, default on; `fp8_causal_split` for FP8 caches, default
-off: there the second loop body made ptxas spill); only the last tiles are masked. A sequence's query blocks
-run last-first, the ones that see the most keys starting earliest.
+causal and range masks (tuning field `causal_split`, default on; on the H200 2-29% faster decode, no slower
+verify, 7-16% faster prefill, docs/benchmarks.md); only the last tiles are masked. A sequence's query blocks run
+last-first, the ones that see the most keys starting earliest.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po.stride(1) if splits > 1 else 0, po.stride(2) if splits > 1 else 0, block_table.stride(0),
         BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, PAGE=k_cache.shape[1],
         KV_FP8=kv_fp8, FP8_NATIVE=native, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype), EVEN_D=block_d == hd,
-        CAUSAL_SPLIT=bool(cfg.get("fp8_causal_split", False) if kv_fp8 else cfg.get("causal_split", True)),
+        CAUSAL_SPLIT=bool(cfg.get("causal_split", True)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_splits_kernel[(t, hq)](

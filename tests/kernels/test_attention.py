@@ -106,7 +106,7 @@ def test_prefill_causal_split(kv_dtype: torch.dtype, causal_split: bool) -> None
     the unmasked loop over the tiles below a program's diagonal: many full tiles, a diagonal inside a tile,
     first query positions one and two keys short of a tile boundary, and query blocks cut by the sequence end."""
     _attention_case([0, 47, 64, 5, 30, 2], [37, 20, 9, 1, 12, 20], 16, 16, 2, 32, kv_dtype,
-                    config={"rows": 32, "block_n": 16, "causal_split": causal_split, "fp8_causal_split": causal_split})
+                    config={"rows": 32, "block_n": 16, "causal_split": causal_split})
 
 
 def test_prefill_block32_no_gqa_odd_head_dim() -> None:
