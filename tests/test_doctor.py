@@ -157,3 +157,34 @@ def test_cli_entry_point() -> None:
     assert doc["verdict"]["ok"] and doc["checkpoint"]["ok"]
     assert doc["triton"]["cpu"]["status"] == "unsupported"
     assert "Traceback" not in proc.stderr
+
+
+def test_gpu_line_names_the_tuning_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100 (simulated: no GPU here) has no table of its own; doctor says it takes the H200's, which
+    lookup resolves for its compute capability, and an unknown sm_80 card default.json only."""
+    import types
+
+    import nibble.doctor.environment as environment
+    import nibble.kernels.tuning_tables as tuning_tables
+
+    doc = run_doctor(args())
+    gib = 2**30
+    cards = [("NVIDIA H100 80GB HBM3", 9, 0), ("NVIDIA A100-SXM4-80GB", 8, 0)]
+    props = [types.SimpleNamespace(name=n, major=a, minor=b, total_memory=80 * gib, multi_processor_count=132)
+             for n, a, b in cards]
+    monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(environment.torch.cuda, "device_count", lambda: len(cards))
+    monkeypatch.setattr(environment.torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setattr(environment.torch.cuda, "mem_get_info", lambda i: (70 * gib, 80 * gib))
+    monkeypatch.setattr(tuning_tables, "device_key", lambda d: props[d.index].name.lower().replace(" ", "_"))
+    monkeypatch.setattr(tuning_tables, "capability", lambda d: (props[d.index].major, props[d.index].minor))
+    tuning_tables._resolve.cache_clear()
+    try:
+        gpus = environment.list_gpus()
+    finally:
+        tuning_tables._resolve.cache_clear()
+    assert [g["tuning_table"] for g in gpus] == ["nvidia_h200", None]
+    doc["gpus"] = gpus
+    text = render(doc)
+    assert "NVIDIA H100 80GB HBM3: sm_90, 132 SMs, 70.0 of 80.0 GiB free, tuning/nvidia_h200.json" in text
+    assert "NVIDIA A100-SXM4-80GB: sm_80, 132 SMs, 70.0 of 80.0 GiB free, tuning/default.json only" in text

@@ -1,7 +1,10 @@
 """Launch configurations from the JSON tables in `nibble/kernels/tuning/`.
 
 `default.json` holds a complete configuration for every case; `<device>.json` (device names normalised
-by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. Each op maps to a list of
+by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. A GPU without a table of its
+own takes the one `by_capability.json` names for its compute capability, the table of a GPU of the same
+architecture (same shared memory per SM, same instructions: an H100 takes the H200's), said once in the log;
+otherwise default.json alone. Each op maps to a list of
 entries `{"when": {...}, "config": {...}}`; the first entry whose `when` matches the lookup key wins in
 each table, and the device's fields are laid over the default's. In `when`, `"min_X"`/`"max_X"` bound
 the key's numeric field `X` (inclusive); any other field must equal the key's. A `when` field that names no
@@ -12,14 +15,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nibble.kernels._triton import device_key
+from nibble.kernels._triton import capability, device_key
 
 TUNING_DIR = Path(__file__).with_name("tuning")
+CAPABILITY_FILE = "by_capability"
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=32)
@@ -59,14 +65,38 @@ def _first(table: dict[str, list[dict[str, Any]]], op: str, key: dict[str, Any])
     return {}
 
 
+def table_names() -> list[str]:
+    """The tables in TUNING_DIR ('default' first), without the capability map."""
+    names = sorted(p.stem for p in TUNING_DIR.glob("*.json") if p.stem != CAPABILITY_FILE)
+    return sorted(names, key=lambda n: n != "default")
+
+
+def device_table(device: torch.device | str) -> str:
+    """Name of the table that overrides default.json on `device` (see the module docstring); a name without a
+    file (no table) leaves default.json alone."""
+    return _resolve(device_key(device), capability(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(name: str, cap: tuple[int, int] | None) -> str:
+    if name == CAPABILITY_FILE or (TUNING_DIR / f"{name}.json").is_file() or cap is None:
+        return name
+    other = json.loads((TUNING_DIR / f"{CAPABILITY_FILE}.json").read_text()).get(f"{cap[0]}.{cap[1]}")
+    if other is None:
+        return name
+    logger.info("tuning: no table for %s; using %s.json, tuned on a GPU of the same compute capability %d.%d",
+                name, other, *cap)
+    return other
+
+
 def lookup(op: str, device: torch.device | str, key: dict[str, Any]) -> dict[str, Any]:
     """Configuration of `op` for a shape `key` on `device` (a fresh dict the caller may modify)."""
-    device_table = device_key(device)
+    table_name = device_table(device)
     fields = frozenset(key)
     _check_fields("default", op, fields)
-    _check_fields(device_table, op, fields)
+    _check_fields(table_name, op, fields)
     cfg = _first(_table("default"), op, key)
     if not cfg:
         raise KeyError(f"tuning/default.json has no entry for {op} matching {key}")
-    cfg.update(_first(_table(device_table), op, key))
+    cfg.update(_first(_table(table_name), op, key))
     return cfg

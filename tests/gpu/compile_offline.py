@@ -75,10 +75,11 @@ def main() -> int:
     from nibble.kernels import nvfp4_linear as nl
     from nibble.kernels import paged_attention as pa
     from nibble.kernels.moe import MoEWeights
+    from nibble.kernels.tuning_tables import TUNING_DIR, table_names
 
     bf = torch.bfloat16
     # default.json first (it applies everywhere); a device's table only for that device's compute capability
-    paths = sorted((ROOT / "nibble/kernels/tuning").glob("*.json"), key=lambda p: (p.stem != "default", p.stem))
+    paths = [TUNING_DIR / f"{name}.json" for name in table_names()]
     table_cc = {p.stem: TABLE_CC.get(p.stem) for p in paths}
     all_tables = [(p.stem, json.loads(p.read_text())) for p in paths]
     errors: list[tuple[str, str]] = []

@@ -21,7 +21,8 @@ KEY_FIELDS["nvfp4_linear_generic"] = KEY_FIELDS["nvfp4_linear"]
 
 def test_device_tables_override_known_fields() -> None:
     default = json.loads((TUNING_DIR / "default.json").read_text())
-    for path in TUNING_DIR.glob("*.json"):
+    for name in tuning_tables.table_names():
+        path = TUNING_DIR / f"{name}.json"
         table = json.loads(path.read_text())
         for op, entries in table.items():
             assert op in default, (path.name, op)
@@ -34,6 +35,29 @@ def test_device_tables_override_known_fields() -> None:
             assert entries[-1]["when"] == {}, op
 
 
+def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU without a table of its own (an H100) takes the table of its compute capability (the H200's), with a
+    log line; one of another capability, or unknown to by_capability.json, gets default.json alone."""
+    by_cap = json.loads((TUNING_DIR / f"{tuning_tables.CAPABILITY_FILE}.json").read_text())
+    assert by_cap and all((TUNING_DIR / f"{name}.json").is_file() for name in by_cap.values())
+    key = {"head_dim": 256, "decode": False, "group": 16}
+    h200 = lookup("paged_attention", "cpu", key) | tuning_tables._first(tuning_tables._table("nvidia_h200"),
+                                                                        "paged_attention", key)
+    default = lookup("paged_attention", "cpu", key)
+    assert h200 != default
+    for name, cap, want in (("nvidia_h100_80gb_hbm3", (9, 0), h200), ("nvidia_h200", (9, 0), h200),
+                            ("nvidia_a100_sxm4_80gb", (8, 0), default), ("nvidia_b200", (10, 0), default)):
+        monkeypatch.setattr(tuning_tables, "device_key", lambda _d, n=name: n)
+        monkeypatch.setattr(tuning_tables, "capability", lambda _d, c=cap: c)
+        tuning_tables._resolve.cache_clear()
+        with caplog.at_level("INFO", logger=tuning_tables.__name__):
+            assert lookup("paged_attention", "cuda:0", key) == want, name
+    tuning_tables._resolve.cache_clear()
+    assert "no table for nvidia_h100_80gb_hbm3; using nvidia_h200.json" in caplog.text
+    assert "nvidia_a100" not in caplog.text
+
+
 def test_lookup_ranges() -> None:
     assert lookup("fused_moe", "cpu", {"tokens": 1, "fp4": True})["path"] == "gemv"
     assert lookup("fused_moe", "cpu", {"tokens": 5000, "fp4": True})["path"] == "sorted"
@@ -41,9 +65,9 @@ def test_lookup_ranges() -> None:
 
 
 def test_when_fields_are_lookup_fields() -> None:
-    for path in TUNING_DIR.glob("*.json"):
-        for op in json.loads(path.read_text()):
-            tuning_tables._check_fields(path.stem, op, frozenset(KEY_FIELDS[op]))
+    for name in tuning_tables.table_names():
+        for op in tuning_tables._table(name):
+            tuning_tables._check_fields(name, op, frozenset(KEY_FIELDS[op]))
 
 
 def test_misspelt_when_field_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
