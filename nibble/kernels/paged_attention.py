@@ -262,7 +262,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_kv = max_query_len <= SPLIT_MAX_QUERY_LEN
     g_pad = next_pow2(group)
     block_d = next_pow2(hd)
-    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": max_query_len == 1, "group": group})
+    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": max_query_len == 1, "group": group,
+                                               "query_len": max_query_len})
     cfg.update(config or {})
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if split_kv and max_query_len > 1:

@@ -13,7 +13,7 @@ from nibble.kernels.tuning_tables import TUNING_DIR, lookup
 KEY_FIELDS = {
     "fused_moe": {"tokens", "fp4", "hidden", "inter", "experts", "top_k", "pairs_per_expert"},
     "nvfp4_linear": {"tokens", "n", "k"},
-    "paged_attention": {"head_dim", "decode", "group"},
+    "paged_attention": {"head_dim", "decode", "group", "query_len"},
 }
 KEY_FIELDS["fused_moe_dense"] = KEY_FIELDS["fused_moe"]
 KEY_FIELDS["nvfp4_linear_generic"] = KEY_FIELDS["nvfp4_linear"]
@@ -41,7 +41,7 @@ def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
     log line; one of another capability, or unknown to by_capability.json, gets default.json alone."""
     by_cap = json.loads((TUNING_DIR / f"{tuning_tables.CAPABILITY_FILE}.json").read_text())
     assert by_cap and all((TUNING_DIR / f"{name}.json").is_file() for name in by_cap.values())
-    key = {"head_dim": 256, "decode": False, "group": 16}
+    key = {"head_dim": 256, "decode": False, "group": 16, "query_len": 8192}
     h200 = lookup("paged_attention", "cpu", key) | tuning_tables._first(tuning_tables._table("nvidia_h200"),
                                                                         "paged_attention", key)
     default = lookup("paged_attention", "cpu", key)
