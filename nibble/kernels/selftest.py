@@ -145,8 +145,9 @@ def test_store_kv(fn: Callable, ctx: SelfTestContext) -> float:
 def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     worst = 0.0
-    # decode (one long context to exercise split-KV) and prefill with a cached prefix
-    for ctx_lens, q_lens in (([0, 130, 2900], [1, 1, 1]), ([0, 190, 7], [37, 5, 1])):
+    # decode (one long context to exercise split-KV), prefill with a cached prefix, and a prefill past 512 query
+    # tokens (the tables' long-prefill tiles, `min_query_len`)
+    for ctx_lens, q_lens in (([0, 130, 2900], [1, 1, 1]), ([0, 190, 7], [37, 5, 1]), ([40, 0], [520, 3])):
         table, shape = _paged_setup(ctx, ctx_lens, q_lens)
         fp8 = ctx.kv_cache_dtype == torch.float8_e4m3fn
         ks, vs = (0.02, 0.015) if fp8 else (1.0, 1.0)
