@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nibble.bench.gpu_timing import capture_graph
 from nibble.kernels import paged_attention as pa
 from nibble.kernels.attention import paged_attention_ref
 
@@ -67,12 +68,7 @@ def _inputs(hq: int, q_len: int, ctx: int, kv_dtype: torch.dtype, page: int = 16
 
 def _graph_us(fn: Any, launches: int = 20) -> Any:
     """A CUDA graph of `launches` calls of fn, and a function timing one replay per call (µs per launch)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
+    graph = capture_graph(lambda: [fn() for _ in range(launches)])
 
     def time_once() -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,8 +84,8 @@ def _graph_us(fn: Any, launches: int = 20) -> Any:
 def _decode_cases(args: argparse.Namespace, base: ModuleType | None) -> list[dict]:
     """Decode and verify steps (1 or 4 query tokens per sequence, split-KV) through the same kernel: the
     table's tile with and without the unmasked loop, and the baseline, so that a prefill gain is not paid for
-    in decode. Each variant is a CUDA graph of 20 launches, replayed round-robin with the others 5 times
-    (best replay kept), so clock ramps and launch overhead do not favour one."""
+    in decode. Each variant is a CUDA graph of 20 launches, replayed 5 times back to back, then in 4 rounds over
+    all variants (best of the 9 replays kept), so clock ramps and launch overhead do not favour one."""
     rows = []
     page, hk, d = 16, 2, 256
     for model, kv_dtype, (batch, n, ctx) in itertools.product(
@@ -117,7 +113,7 @@ def _decode_cases(args: argparse.Namespace, base: ModuleType | None) -> list[dic
             out = fn(*call, config=cfg or None)
             errs.append((out.float() - ref_out.float()).abs().max().item())
             timers.append(_graph_us(lambda fn=fn, cfg=cfg, call=call: fn(*call, config=cfg or None)))
-        best = [min(t() for _ in range(5)) for t in timers]
+        best = [min(t() for _ in range(5)) for t in timers]  # 5 back to back each, then 4 rounds over all
         for _ in range(4):
             best = [min(b, t()) for b, t in zip(best, timers)]
         for (name, _, cfg), us, err in zip(variants, best, errs):

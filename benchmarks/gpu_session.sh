@@ -239,7 +239,9 @@ stage_longctx() {  # YaRN past the pretraining length: a 300k-token prompt on th
   run longctx 560 python3 benchmarks/long_context_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --length 300000 \
     --out "$OUT/longctx.json"
 }
-stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes (A/B with .bench_assets/paged_attention_old.py)
+# paged attention against an older kernel where .bench_assets/paged_attention_old.py holds one, e.g.
+#   git show 5d9ee40:nibble/kernels/paged_attention.py > .bench_assets/paged_attention_old.py
+stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes
   local base=""
   [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
   run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $base --out "$OUT/attnprefill.json"

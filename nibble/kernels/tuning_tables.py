@@ -67,8 +67,8 @@ def _first(table: dict[str, list[dict[str, Any]]], op: str, key: dict[str, Any])
 
 def table_names() -> list[str]:
     """The tables in TUNING_DIR ('default' first), without the capability map."""
-    names = sorted(p.stem for p in TUNING_DIR.glob("*.json") if p.stem != CAPABILITY_FILE)
-    return sorted(names, key=lambda n: n != "default")
+    return sorted((p.stem for p in TUNING_DIR.glob("*.json") if p.stem != CAPABILITY_FILE),
+                  key=lambda n: (n != "default", n))
 
 
 def device_table(device: torch.device | str) -> str:
@@ -79,9 +79,9 @@ def device_table(device: torch.device | str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _resolve(name: str, cap: tuple[int, int] | None) -> str:
-    if name == CAPABILITY_FILE or (TUNING_DIR / f"{name}.json").is_file() or cap is None:
+    if (TUNING_DIR / f"{name}.json").is_file() or cap is None:
         return name
-    other = json.loads((TUNING_DIR / f"{CAPABILITY_FILE}.json").read_text()).get(f"{cap[0]}.{cap[1]}")
+    other = _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}")
     if other is None:
         return name
     logger.info("tuning: no table for %s; using %s.json, tuned on a GPU of the same compute capability %d.%d",
