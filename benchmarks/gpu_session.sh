@@ -47,6 +47,31 @@ stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests
 stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise or select_kernels" -p no:cacheprovider -rf; }
 stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
+stage_densetests() { NIBBLE_TEST_GPU=1 run densetests 240 python3 -m pytest -q tests/gpu/test_dense_gemv_gpu.py -p no:cacheprovider -rf; }
+stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode projection shape; table entries from it
+  run densegemv 360 python3 benchmarks/dense_gemv_bench.py --out "$OUT/dense.json" --write-table "$OUT/dense_table.json"
+  # the entries go into this GPU's own table in this checkout, for the stages after this one (densee2e)
+  run densetable 30 python3 benchmarks/install_tuning_entries.py dense_linear "$OUT/dense_table.json"
+}
+stage_densee2e() {  # 122B decode steps with the dense GEMV (the table), with cuBLAS (--linear-backend torch), with it again
+  for v in on off on2; do
+    local flag=""; [ "$v" = off ] && flag="--linear-backend torch"
+    run densee2e_$v 170 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
+      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 $flag --output-json "$OUT/densee2e_$v.json"
+  done
+}
+stage_densee2e35() {  # 35B decode steps with the dense GEMV (the table) and with cuBLAS (--linear-backend torch)
+  for v in on off; do
+    local flag=""; [ "$v" = off ] && flag="--linear-backend torch"
+    run densee2e35_$v 150 python3 -m nibble.cli bench latency --model $M/Qwen3.5-35B-A3B-NVFP4 --load-format dummy \
+      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 $flag --output-json "$OUT/densee2e35_$v.json"
+  done
+}
+stage_profile122b1() {  # where a batch-1 122B decode step's time goes (CUDA-graph replay, kernels per step)
+  run profile122b1 240 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-122B-A10B-NVFP4 --batch-sizes 1 \
+    --out "$OUT/profile122b1"
+}
+stage_selecttest() { NIBBLE_TEST_GPU=1 run selecttest 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k select_kernels -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
   run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \

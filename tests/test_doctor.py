@@ -160,8 +160,8 @@ def test_cli_entry_point() -> None:
 
 
 def test_gpu_line_names_the_tuning_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An H100 (simulated: no GPU here) has no table of its own; doctor says it takes the H200's, which
-    lookup resolves for its compute capability, and an unknown sm_80 card default.json only."""
+    """Simulated GPUs (none here): an H100 has a table of its own over the H200's (same compute capability), a
+    GH200 has none and takes the H200's, an sm_80 card unknown to by_capability.json default.json only."""
     import types
 
     import nibble.doctor.environment as environment
@@ -169,7 +169,7 @@ def test_gpu_line_names_the_tuning_table(monkeypatch: pytest.MonkeyPatch) -> Non
 
     doc = run_doctor(args())
     gib = 2**30
-    cards = [("NVIDIA H100 80GB HBM3", 9, 0), ("NVIDIA A100-SXM4-80GB", 8, 0)]
+    cards = [("NVIDIA H100 80GB HBM3", 9, 0), ("NVIDIA GH200 480GB", 9, 0), ("NVIDIA A100-SXM4-80GB", 8, 0)]
     props = [types.SimpleNamespace(name=n, major=a, minor=b, total_memory=80 * gib, multi_processor_count=132)
              for n, a, b in cards]
     monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: True)
@@ -183,8 +183,10 @@ def test_gpu_line_names_the_tuning_table(monkeypatch: pytest.MonkeyPatch) -> Non
         gpus = environment.list_gpus()
     finally:
         tuning_tables._resolve.cache_clear()
-    assert [g["tuning_table"] for g in gpus] == ["nvidia_h200", None]
+    assert [g["tuning_tables"] for g in gpus] == [["nvidia_h200", "nvidia_h100_80gb_hbm3"], ["nvidia_h200"], []]
     doc["gpus"] = gpus
     text = render(doc)
-    assert "NVIDIA H100 80GB HBM3: sm_90, 132 SMs, 70.0 of 80.0 GiB free, tuning/nvidia_h200.json" in text
+    assert ("NVIDIA H100 80GB HBM3: sm_90, 132 SMs, 70.0 of 80.0 GiB free, tuning/nvidia_h100_80gb_hbm3.json over "
+            "tuning/nvidia_h200.json") in text
+    assert "NVIDIA GH200 480GB: sm_90, 132 SMs, 70.0 of 80.0 GiB free, tuning/nvidia_h200.json" in text
     assert "NVIDIA A100-SXM4-80GB: sm_80, 132 SMs, 70.0 of 80.0 GiB free, tuning/default.json only" in text

@@ -159,7 +159,8 @@ def render(doc: dict[str, Any]) -> str:
                                                                              "llguidance")))
     out.append("gpus")
     for g in doc["gpus"] or []:
-        table = f"tuning/{g['tuning_table']}.json" if g.get("tuning_table") else "tuning/default.json only"
+        tables = [f"tuning/{t}.json" for t in reversed(g.get("tuning_tables") or [])]
+        table = " over ".join(tables) if tables else "tuning/default.json only"
         out.append(f"  [{g['index']}] {g['name']}: sm_{g['capability'].replace('.', '')}, {g['sm_count']} SMs, "
                    f"{_gib(g['memory_free_gib'])} of {_gib(g['memory_total_gib'])} GiB free, {table}"
                    f"{'  ERROR ' + g['error'] if 'error' in g else ''}")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from nibble.kernels._triton import HAVE_TRITON, interpreting, tl, triton
-from nibble.kernels.tuning_tables import device_table, table_names
+from nibble.kernels.tuning_tables import device_tables
 
 PACKAGES = ("torch", "triton", "fla-core", "transformers", "safetensors", "tokenizers", "fastapi", "uvicorn",
             "numpy", "llguidance")
@@ -97,16 +97,15 @@ def collect_environment() -> dict[str, Any]:
 
 
 def list_gpus() -> list[dict[str, Any]]:
-    """Every visible GPU: name, compute capability, memory total/free, SM count, and the tuning table its
-    kernels take (None: default.json alone)."""
+    """Every visible GPU: name, compute capability, memory total/free, SM count, and the tuning tables its
+    kernels take over default.json (the device's own last; empty: default.json alone)."""
     gpus = []
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         p = torch.cuda.get_device_properties(i)
-        table = device_table(torch.device("cuda", i))
         gpu: dict[str, Any] = {"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
                                "memory_total_gib": round(p.total_memory / 2**30, 2), "memory_free_gib": None,
                                "sm_count": p.multi_processor_count,
-                               "tuning_table": table if table in table_names() else None}
+                               "tuning_tables": list(device_tables(torch.device("cuda", i)))}
         try:
             gpu["memory_free_gib"] = round(torch.cuda.mem_get_info(i)[0] / 2**30, 2)
         except RuntimeError as e:  # a GPU in a bad state still gets listed

@@ -14,6 +14,7 @@ from typing import Any
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
 from nibble.kernels.conv1d import causal_conv1d_ref, causal_conv1d_spec_ref
+from nibble.kernels.dense_gemv import dense_linear_ref
 from nibble.kernels.gated_delta import gated_delta_rule_decode_ref, gated_delta_rule_ref, gated_delta_rule_spec_ref
 from nibble.kernels.gdn_gating import gdn_gating_ref
 from nibble.kernels.moe import fused_moe_ref, route_ref
@@ -24,7 +25,7 @@ from nibble.kernels.rope import rope_ref
 OP_NAMES = ("rms_norm", "rms_norm_moe", "qk_rms_norm", "gated_rms_norm", "rope", "store_kv", "paged_attention",
             "sigmoid_mul", "causal_conv1d", "causal_conv1d_spec", "gdn_gating", "gated_delta_rule",
             "gated_delta_rule_decode", "gated_delta_rule_spec", "route", "fused_moe", "silu_and_mul", "moe_combine",
-            "nvfp4_linear")
+            "nvfp4_linear", "dense_linear")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class KernelSet:
     silu_and_mul: Callable[..., Any]        # activation.silu_and_mul_ref
     moe_combine: Callable[..., Any]         # activation.moe_combine_ref
     nvfp4_linear: Callable[..., Any]        # nvfp4_linear.nvfp4_linear_ref
+    dense_linear: Callable[..., Any]        # dense_gemv.dense_linear_ref
     backend_names: dict[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -72,5 +74,6 @@ class KernelSet:
             silu_and_mul=silu_and_mul_ref,
             moe_combine=moe_combine_ref,
             nvfp4_linear=nvfp4_linear_ref,
+            dense_linear=dense_linear_ref,
             backend_names={op: "torch" for op in OP_NAMES},
         )

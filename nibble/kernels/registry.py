@@ -31,7 +31,7 @@ log = logging.getLogger("nibble.kernels")
 OP_GROUPS: dict[str, tuple[str, ...]] = {
     "moe": ("route", "fused_moe"),
     "attention": ("store_kv", "paged_attention"),
-    "linear": ("nvfp4_linear",),
+    "linear": ("nvfp4_linear", "dense_linear"),
 }
 
 
@@ -146,6 +146,7 @@ def default_backends() -> dict[str, tuple[Backend, ...]]:
             Backend("triton-generic", k + "nvfp4_linear:nvfp4_linear_generic", triton_check),
             Backend("torch", k + "nvfp4_linear:nvfp4_linear_ref", always),
         ),
+        "dense_linear": pair("dense_gemv:dense_linear", "dense_gemv:dense_linear_ref"),
     }
 
 

@@ -17,6 +17,7 @@ import torch
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
+from nibble.kernels.dense_gemv import dense_linear_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
@@ -36,6 +37,7 @@ from nibble.kernels.selftest_harness import (  # noqa: F401  (re-exported: the n
     poison,
     rel_err,
 )
+from nibble.models.config import ModelConfig
 
 MOE_TEST_BYTES = 2 << 30
 
@@ -299,6 +301,29 @@ def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
+def dense_linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of the model's 16-bit projections at decode: GDN in_proj and out_proj, attention qkv and
+    o_proj, the fused router + shared-expert input projection (rows padded to 8) and the shared expert's
+    down projection."""
+    moe_in = c.num_experts + 2 * c.shared_expert_intermediate_size + 1
+    shapes = [(2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads, c.hidden_size),
+              (c.hidden_size, c.linear_value_dim), (c.q_proj_size + 2 * c.kv_proj_size, c.hidden_size),
+              (c.hidden_size, c.num_attention_heads * c.head_dim), (-(-moe_in // 8) * 8, c.hidden_size),
+              (c.hidden_size, c.shared_expert_intermediate_size)]
+    return sorted(set(shapes))
+
+
+def test_dense_linear(fn: Callable, ctx: SelfTestContext) -> float:
+    worst = 0.0
+    for n, k in dense_linear_shapes(ctx.config):
+        w = ctx.randn(n, k, scale=k ** -0.5)
+        for t in (1, 3, 8):
+            x = ctx.randn(t, k)
+            out = _call(fn, ctx.device, [((t, n), ctx.dtype)], x, w)
+            worst = max(worst, rel_err(f"N={n} K={k} T={t}", out, dense_linear_ref(x, w), ctx.tol))
+    return worst
+
+
 SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "rms_norm": test_rms_norm,
     "rms_norm_moe": test_rms_norm_moe,
@@ -319,4 +344,5 @@ SELF_TESTS: dict[str, Callable[[Callable, SelfTestContext], float]] = {
     "silu_and_mul": test_silu_and_mul,
     "moe_combine": test_moe_combine,
     "nvfp4_linear": test_nvfp4_linear,
+    "dense_linear": test_dense_linear,
 }

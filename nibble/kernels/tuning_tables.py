@@ -1,14 +1,16 @@
 """Launch configurations from the JSON tables in `nibble/kernels/tuning/`.
 
 `default.json` holds a complete configuration for every case; `<device>.json` (device names normalised
-by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. A GPU without a table of its
-own takes the one `by_capability.json` names for its compute capability, the table of a GPU of the same
-architecture (same shared memory per SM, same instructions: an H100 takes the H200's), said once in the log;
-otherwise default.json alone. Each op maps to a list of
+by `_triton.device_key`, e.g. `nvidia_h200.json`) overrides fields for that GPU. `by_capability.json` names,
+per compute capability, the table of a GPU of that architecture (same shared memory per SM, same
+instructions: sm_90 -> the H200's); a GPU of that capability takes it under its own table, so an H100 runs
+with the H200's fields where `nvidia_h100_80gb_hbm3.json` has no entry of its own, or with them alone where
+it has no table (said once in the log). Other GPUs get default.json alone. Each op maps to a list of
 entries `{"when": {...}, "config": {...}}`; the first entry whose `when` matches the lookup key wins in
-each table, and the device's fields are laid over the default's. In `when`, `"min_X"`/`"max_X"` bound
-the key's numeric field `X` (inclusive); any other field must equal the key's. A `when` field that names no
-field of the op's lookup key (a typo would make its entry silently never match) is an error at the first lookup.
+each table, and the tables' fields are laid over the default's, the device's own last. In `when`,
+`"min_X"`/`"max_X"` bound the key's numeric field `X` (inclusive); any other field must equal the key's. A
+`when` field that names no field of the op's lookup key (a typo would make its entry silently never match)
+is an error at the first lookup.
 """
 
 from __future__ import annotations
@@ -71,32 +73,34 @@ def table_names() -> list[str]:
                   key=lambda n: (n != "default", n))
 
 
-def device_table(device: torch.device | str) -> str:
-    """Name of the table that overrides default.json on `device` (see the module docstring); a name without a
-    file (no table) leaves default.json alone."""
+def device_tables(device: torch.device | str) -> tuple[str, ...]:
+    """Names of the tables laid over default.json on `device`, the device's own last (see the module
+    docstring); empty: default.json alone."""
     return _resolve(device_key(device), capability(device))
 
 
 @functools.lru_cache(maxsize=16)
-def _resolve(name: str, cap: tuple[int, int] | None) -> str:
-    if (TUNING_DIR / f"{name}.json").is_file() or cap is None:
-        return name
-    other = _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}")
-    if other is None:
-        return name
-    logger.info("tuning: no table for %s; using %s.json, tuned on a GPU of the same compute capability %d.%d",
-                name, other, *cap)
-    return other
+def _resolve(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
+    own = bool(_table(name))
+    sibling = _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}") if cap is not None else None
+    if sibling is None or sibling == name or not _table(sibling):
+        return (name,) if own else ()
+    if not own:
+        logger.info("tuning: no table for %s; using %s.json, tuned on a GPU of the same compute capability %d.%d",
+                    name, sibling, *cap)
+        return (sibling,)
+    return (sibling, name)
 
 
 def lookup(op: str, device: torch.device | str, key: dict[str, Any]) -> dict[str, Any]:
     """Configuration of `op` for a shape `key` on `device` (a fresh dict the caller may modify)."""
-    table_name = device_table(device)
+    tables = device_tables(device)
     fields = frozenset(key)
-    _check_fields("default", op, fields)
-    _check_fields(table_name, op, fields)
+    for name in ("default", *tables):
+        _check_fields(name, op, fields)
     cfg = _first(_table("default"), op, key)
     if not cfg:
         raise KeyError(f"tuning/default.json has no entry for {op} matching {key}")
-    cfg.update(_first(_table(table_name), op, key))
+    for name in tables:
+        cfg.update(_first(_table(name), op, key))
     return cfg

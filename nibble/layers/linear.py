@@ -2,7 +2,8 @@
 
 A `Linear` may stack several checkpoint projections along its output dim (`output_sizes`, e.g. q|k|v or
 in_proj_qkv|z|b|a) so that one GEMM serves them; each stacked piece is a *shard* loaded from its own
-checkpoint tensor. The method is decided per layer: BF16/FP32 weights go through torch (cuBLAS on GPU);
+checkpoint tensor. The method is decided per layer: BF16/FP32 weights through the `dense_linear` op
+(a Triton GEMV at decode sizes where the tuning table says so, torch's cuBLAS otherwise);
 NVFP4 weights (ModelOpt) through the `nvfp4_linear` kernel (W4A16), with the checkpoint's global scale of
 each shard expanded to one fp32 value per output row.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nibble.formats.nvfp4 import GROUP_SIZE, NVFP4Tensor
@@ -148,7 +148,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             return self.kernels.nvfp4_linear(x, self.nvfp4())
-        return F.linear(x, self.weight)
+        return self.kernels.dense_linear(x, self.weight)
 
     def param_kinds(self) -> tuple[str, ...]:
         return ("weight", "weight_scale", "weight_scale_2") if self.quantized else ("weight",)

@@ -25,7 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-TABLE_CC = {"nvidia_h200": 90}  # device tables and the compute capability they are selected on
+# device tables and the compute capability they are selected on
+TABLE_CC = {"nvidia_h200": 90, "nvidia_h100_80gb_hbm3": 90}
 SMEM_LIMIT_KB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
 
 
@@ -71,6 +72,7 @@ def main() -> int:
     import nibble.kernels._triton as tri
     from nibble.formats.nvfp4 import NVFP4Tensor
     from nibble.kernels import activation, attention, conv1d, gated_delta, gdn_gating, moe_align, moe_route, norm, rope
+    from nibble.kernels import dense_gemv as dl
     from nibble.kernels import fused_moe as fm
     from nibble.kernels import nvfp4_linear as nl
     from nibble.kernels import paged_attention as pa
@@ -182,6 +184,16 @@ def main() -> int:
                                    (100, "generic_gemm", {"split_k": 3})):
                 attempt(f"nvfp4_linear_generic {cfg}", nl.nvfp4_linear_launch, torch.randn(t, 3072, dtype=bf), w,
                         path=path, config={**cfg, **extra})
+        for stem, table in all_tables:
+            if table_cc[stem] not in (None, cc):
+                continue
+            for entry in table.get("dense_linear", []):
+                cfg = {**all_tables[0][1]["dense_linear"][-1]["config"], **entry["config"]}
+                tok, rows, cols = (entry["when"].get(f) for f in ("max_tokens", "n", "k"))
+                if cfg["path"] != "torch":
+                    attempt(f"dense_linear {stem} {entry['when']}", dl.dense_linear_launch,
+                            torch.randn(tok or 1, cols or 3072, dtype=bf),
+                            torch.randn(rows or 3072, cols or 3072, dtype=bf), config=cfg)
         seen = set()
         limit = SMEM_LIMIT_KB.get(cc, 99)
         print(f"\nsm_{cc}: {len(compiled) - start} launches compiled")

@@ -17,6 +17,7 @@ KEY_FIELDS = {
 }
 KEY_FIELDS["fused_moe_dense"] = KEY_FIELDS["fused_moe"]
 KEY_FIELDS["nvfp4_linear_generic"] = KEY_FIELDS["nvfp4_linear"]
+KEY_FIELDS["dense_linear"] = KEY_FIELDS["nvfp4_linear"]
 
 
 def test_device_tables_override_known_fields() -> None:
@@ -37,7 +38,7 @@ def test_device_tables_override_known_fields() -> None:
 
 def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    """A GPU without a table of its own (an H100) takes the table of its compute capability (the H200's), with a
+    """A GPU without a table of its own (a GH200) takes the table of its compute capability (the H200's), with a
     log line; one of another capability, or unknown to by_capability.json, gets default.json alone."""
     by_cap = json.loads((TUNING_DIR / f"{tuning_tables.CAPABILITY_FILE}.json").read_text())
     assert by_cap and all((TUNING_DIR / f"{name}.json").is_file() for name in by_cap.values())
@@ -46,7 +47,7 @@ def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
                                                                         "paged_attention", key)
     default = lookup("paged_attention", "cpu", key)
     assert h200 != default
-    for name, cap, want in (("nvidia_h100_80gb_hbm3", (9, 0), h200), ("nvidia_h200", (9, 0), h200),
+    for name, cap, want in (("nvidia_gh200_480gb", (9, 0), h200), ("nvidia_h200", (9, 0), h200),
                             ("nvidia_a100_sxm4_80gb", (8, 0), default), ("nvidia_b200", (10, 0), default)):
         monkeypatch.setattr(tuning_tables, "device_key", lambda _d, n=name: n)
         monkeypatch.setattr(tuning_tables, "capability", lambda _d, c=cap: c)
@@ -54,7 +55,7 @@ def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
         with caplog.at_level("INFO", logger=tuning_tables.__name__):
             assert lookup("paged_attention", "cuda:0", key) == want, name
     tuning_tables._resolve.cache_clear()
-    assert "no table for nvidia_h100_80gb_hbm3; using nvidia_h200.json" in caplog.text
+    assert "no table for nvidia_gh200_480gb; using nvidia_h200.json" in caplog.text
     assert "nvidia_a100" not in caplog.text
 
 
@@ -62,6 +63,32 @@ def test_lookup_ranges() -> None:
     assert lookup("fused_moe", "cpu", {"tokens": 1, "fp4": True})["path"] == "gemv"
     assert lookup("fused_moe", "cpu", {"tokens": 5000, "fp4": True})["path"] == "sorted"
     assert lookup("paged_attention", "cpu", {"decode": True, "head_dim": 256})["max_splits"] >= 1
+
+
+def test_own_table_over_the_capability_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU with a table of its own and a sibling of the same capability: its own entries first, the sibling's
+    fields where it has none, default.json under both."""
+    own = {"dense_linear": [{"when": {"tokens": 1, "n": 3072, "k": 8192},
+                             "config": {"path": "gemv", "block_n": 4}}]}
+    real = tuning_tables._table
+    monkeypatch.setattr(tuning_tables, "_table", lambda name: own if name == "nvidia_h100_80gb_hbm3" else real(name))
+    monkeypatch.setattr(tuning_tables, "device_key", lambda _d: "nvidia_h100_80gb_hbm3")
+    monkeypatch.setattr(tuning_tables, "capability", lambda _d: (9, 0))
+    tuning_tables._resolve.cache_clear()
+    try:
+        assert tuning_tables.device_tables("cuda:0") == ("nvidia_h200", "nvidia_h100_80gb_hbm3")
+        key = {"head_dim": 256, "decode": False, "group": 16, "query_len": 8192}
+        h200 = lookup("paged_attention", "cpu", key) | tuning_tables._first(real("nvidia_h200"), "paged_attention",
+                                                                            key)
+        assert lookup("paged_attention", "cuda:0", key) == h200
+        cfg = lookup("dense_linear", "cuda:0", {"tokens": 1, "n": 3072, "k": 8192})
+        assert cfg["path"] == "gemv" and cfg["block_n"] == 4
+        assert cfg["block_k"] == lookup("dense_linear", "cpu", {"tokens": 1, "n": 3072, "k": 8192})["block_k"]
+        k2 = {"tokens": 2, "n": 3072, "k": 8192}
+        assert lookup("dense_linear", "cuda:0", k2) == lookup("dense_linear", "cpu", k2) | tuning_tables._first(
+            real("nvidia_h200"), "dense_linear", k2)
+    finally:
+        tuning_tables._resolve.cache_clear()
 
 
 def test_when_fields_are_lookup_fields() -> None:
