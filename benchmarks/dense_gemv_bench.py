@@ -134,7 +134,7 @@ def table_entries(records: list[dict[str, Any]], min_gain: float = 0.03) -> list
                 when = {"min_tokens": ts[i - 1] + 1 if i else 1, "max_tokens": t, "n": n, "k": k}
                 entries.append({"when": when, "config": best["config"]})
     # the rest stays with torch on this GPU, rather than taking what another GPU of its capability measured
-    return entries + [{"when": {}, "config": {"path": "torch"}}]
+    return [*entries, {"when": {}, "config": {"path": "torch"}}]
 
 
 def main() -> None:

@@ -72,6 +72,26 @@ stage_profile122b1() {  # where a batch-1 122B decode step's time goes (CUDA-gra
     --out "$OUT/profile122b1"
 }
 stage_selecttest() { NIBBLE_TEST_GPU=1 run selecttest 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k select_kernels -p no:cacheprovider -rf; }
+stage_densepdl() {  # decode steps with the dense GEMV launched with PDL (default), without, with again; 122B where it fits
+  local model=Qwen3.5-35B-A3B-NVFP4 table
+  python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
+    && model=Qwen3.5-122B-A10B-NVFP4
+  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  cp "$table" /tmp/table_backup.json
+  for v in on off on2; do
+    cp /tmp/table_backup.json "$table"
+    [ "$v" = off ] && python3 -c "
+import json, sys
+t = json.load(open(sys.argv[1]))
+for e in t['dense_linear']:
+    e['config']['pdl'] = False
+json.dump(t, open(sys.argv[1], 'w'))" "$table"
+    run densepdl_$v 170 python3 -m nibble.cli bench latency --model $M/$model --load-format dummy \
+      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 --output-json "$OUT/densepdl_$v.json"
+  done
+  cp /tmp/table_backup.json "$table"
+}
+stage_normtriggertests() { NIBBLE_TEST_GPU=1 run normtriggertests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
   run moe 450 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,2,4,8,16,32,64,128,256,2048 --sweep \

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.kernels._triton import as_rows, next_pow2, tl, triton
+from nibble.kernels.pdl import pdl_handoff, pdl_supported
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -30,7 +31,9 @@ def moe_combine_ref(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torc
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _gated_mul_kernel(x_ptr, g_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g, stride_o, SILU: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
+    # PDL_TRIGGER: the projection after the gate (o_proj, the shared expert's down) may start (dense_gemv.py)
+    pdl_handoff(PDL_TRIGGER, False)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -75,7 +78,7 @@ def _gated_mul(name: str, x: torch.Tensor, g: torch.Tensor, silu: bool) -> torch
     if n and d:
         grid, rows, block = _grid(n, d)
         _gated_mul_kernel[grid](x2, g2, out, n, d, x2.stride(0), g2.stride(0), out.stride(0), SILU=silu,
-                                ROWS=rows, BLOCK=block, num_warps=4)
+                                ROWS=rows, BLOCK=block, PDL_TRIGGER=pdl_supported(x.device), num_warps=4)
     return out.view(x.shape)
 
 

@@ -15,7 +15,9 @@ launch. Two kernels:
 
 `dense_linear` picks per shape (tuning table `dense_linear`, key tokens / n / k) between these and torch's
 `F.linear` (path "gemv", "dot" or "torch"); default.json keeps torch everywhere, device tables turn the
-kernels on where they measured faster.
+kernels on where they measured faster. On sm_90+ both launch with PDL: the RMSNorm and gate kernels that
+precede every projection of a layer let them start early (norm.py, activation.py), and a program asks for
+the first bytes of its weight rows in L2 before it waits for x (`_pdl_start`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nibble.kernels._triton import as_rows, cdiv, dot_precision, next_pow2, tl, triton
+from nibble.kernels.pdl import gdc_wait, pdl_supported, prefetch_l2, prefetch_ok
 from nibble.kernels.tuning_tables import lookup
 
 MAX_TOKENS = 16  # the tensor-core kernel's limit
@@ -38,11 +41,26 @@ def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+@triton.jit
+def _pdl_start(w_ptr, n_out, stride_wn, pf_bytes, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+               PREFETCH: tl.constexpr):
+    """Launched with PDL (while the norm or gate kernel ahead still runs): ask for the first pf_bytes of each of
+    this program's weight rows in L2 (PREFETCH), then wait for the kernel ahead, which writes x and may still
+    read memory that this kernel's output reuses. Without PDL: nothing."""
+    if PDL:
+        if PREFETCH:
+            for r in tl.static_range(BLOCK_N):
+                row = tl.minimum(tl.program_id(0) * BLOCK_N + r, n_out - 1).to(tl.int64)
+                prefetch_l2(w_ptr + row * stride_wn, pf_bytes)
+        gdc_wait()
+
+
 @triton.jit(do_not_specialize=["n_tok"])
-def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_out, n_k, stride_xt, stride_wn, stride_ot,
+def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_out, n_k, stride_xt, stride_wn, stride_ot, pf_bytes,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """out[t, n] = x[t] . w[n] for t < n_tok (<= BLOCK_T) and the BLOCK_N rows of this program, fp32 sums."""
+    _pdl_start(w_ptr, n_out, stride_wn, pf_bytes, BLOCK_N, PDL, PREFETCH)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nc = tl.minimum(n, n_out - 1).to(tl.int64)  # clamped rows: loaded, not stored
     t = tl.arange(0, BLOCK_T)
@@ -66,12 +84,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_out, n_k, stride_xt, stri
 
 
 @triton.jit(do_not_specialize=["n_tok"])
-def _dense_dot_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_out, n_k, stride_xt, stride_wn, stride_ot,
+def _dense_dot_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_out, n_k, stride_xt, stride_wn, stride_ot, pf_bytes,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      STAGES: tl.constexpr, DOT_PREC: tl.constexpr):
+                      STAGES: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
+                      PREFETCH: tl.constexpr = False):
     """The same product on the tensor cores for 5-16 tokens: acc[rows, tokens] = W_tile @ x_tile^T (weights
     the MMA's M side, the tokens padded to BLOCK_T >= 16 columns), so the partial sums stay in the MMA's
     accumulators instead of growing with the tokens."""
+    _pdl_start(w_ptr, n_out, stride_wn, pf_bytes, BLOCK_N, PDL, PREFETCH)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nc = tl.minimum(n, n_out - 1).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
@@ -130,17 +150,33 @@ def dense_linear_launch(x: torch.Tensor, w: torch.Tensor, *, config: dict[str, A
         w = w.contiguous()
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     bn, bk = cfg["block_n"], min(cfg["block_k"], next_pow2(k))
-    args = (x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0))
+    pdl, pf_bytes = _pdl_plan(w, cfg)
+    args = (x, w, out, t, n, k, x.stride(0), w.stride(0), out.stride(0), pf_bytes)
+    launch = {"PDL": True, "PREFETCH": pf_bytes > 0, "launch_pdl": True} if pdl else {}
     if cfg["path"] == "dot":
         # tl.dot takes 16 rows, 16 columns and a K step of 16 at least
         bn, bk = max(bn, 16), max(bk, 16)
         _dense_dot_kernel[(cdiv(n, bn),)](*args, BLOCK_T=max(16, next_pow2(t)), BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN_K=k % bk == 0, STAGES=cfg["stages"],
-                                          DOT_PREC=dot_precision(x.dtype), num_warps=cfg["warps"])
+                                          DOT_PREC=dot_precision(x.dtype), num_warps=cfg["warps"], **launch)
     else:
         _dense_gemv_kernel[(cdiv(n, bn),)](*args, BLOCK_T=next_pow2(t), BLOCK_N=bn, BLOCK_K=bk,
-                                           EVEN_K=k % bk == 0, STAGES=cfg["stages"], num_warps=cfg["warps"])
+                                           EVEN_K=k % bk == 0, STAGES=cfg["stages"], num_warps=cfg["warps"],
+                                           **launch)
     return out.view(*lead, n)
+
+
+def _pdl_plan(w: torch.Tensor, cfg: dict[str, Any]) -> tuple[bool, int]:
+    """(launch with PDL, bytes of each weight row to prefetch into L2 before the wait; 0: none). Tuning
+    fields `pdl` (default on where supported) and `prefetch_mib` (the prefetch over all rows)."""
+    if not (cfg.get("pdl", True) and pdl_supported(w.device)):
+        return False, 0
+    n, k = w.shape
+    row_bytes = k * w.element_size()
+    per_row = min(row_bytes, int(cfg.get("prefetch_mib", 8) * 2**20) // max(1, n)) // 16 * 16
+    if per_row < 256 or not prefetch_ok(w) or row_bytes % 16:
+        per_row = 0
+    return True, per_row
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from nibble.kernels._triton import as_rows, next_pow2, tl, triton
 from nibble.kernels.activation import moe_combine_ref
+from nibble.kernels.pdl import pdl_handoff, pdl_supported
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -56,9 +57,11 @@ def rms_norm_moe_ref(routed: torch.Tensor, shared: torch.Tensor, gate_logit: tor
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, gl_ptr, n_cols, stride_x, stride_r,
                      stride_o, stride_ro, stride_s, stride_gl, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                     COMBINE: tl.constexpr = False):
+                     COMBINE: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     # COMBINE: x is the MoE block's routed output, combined first with its shared expert output (s) and
-    # gate logit (gl) as _moe_combine_kernel does, rounded to x's dtype as that kernel stores it
+    # gate logit (gl) as _moe_combine_kernel does, rounded to x's dtype as that kernel stores it.
+    # PDL_TRIGGER: the projection after the norm may start (dense_gemv.py)
+    pdl_handoff(PDL_TRIGGER, False)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -104,7 +107,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = next_pow2(hidden)
         _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, x2, x2, hidden, x2.stride(0), r2.stride(0),
                                out.stride(0), res_out.stride(0), 0, 0, float(eps), HAS_RES=residual is not None,
-                               BLOCK=block, num_warps=_num_warps(block))
+                               BLOCK=block, PDL_TRIGGER=pdl_supported(x.device), num_warps=_num_warps(block))
     new_res = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_res
 
@@ -132,7 +135,8 @@ def rms_norm_moe(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.T
         block = next_pow2(hidden)
         _rms_norm_kernel[(t,)](r2, res2, weight, out, res_out, s2, gate_logit, hidden, r2.stride(0), res2.stride(0),
                                out.stride(0), res_out.stride(0), s2.stride(0), gate_logit.stride(0), float(eps),
-                               HAS_RES=True, BLOCK=block, COMBINE=True, num_warps=_num_warps(block))
+                               HAS_RES=True, BLOCK=block, COMBINE=True, PDL_TRIGGER=pdl_supported(routed.device),
+                               num_warps=_num_warps(block))
     return out, res_out
 
 
@@ -192,7 +196,8 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, n_cols, stride_x, stride_g, stride_o, eps,
-                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
+    pdl_handoff(PDL_TRIGGER, False)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -225,5 +230,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         rows = max(1, min(16, 2048 // block))
         _gated_rms_norm_kernel[(triton.cdiv(n, rows),)](
             x2, g2, weight, out, n, dim, x2.stride(0), g2.stride(0), out.stride(0), float(eps),
-            ROWS=rows, BLOCK=block, num_warps=4)
+            ROWS=rows, BLOCK=block, PDL_TRIGGER=pdl_supported(x.device), num_warps=4)
     return out.view(x.shape)

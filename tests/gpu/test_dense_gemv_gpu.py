@@ -96,3 +96,35 @@ def test_dense_gemv_graph_replay() -> None:
     torch.cuda.synchronize()
     assert not torch.equal(out["y"], eager)
     assert torch.equal(out["y"], dense_linear_launch(x, w, config=cfg(8, 512, 4, 4)))
+
+
+@pytest.mark.parametrize("c", [(4, 512, 2, 4, "gemv"), (8, 256, 4, 4, "gemv"), (16, 512, 1, 3, "dot"),
+                               (64, 128, 4, 3, "dot")])
+def test_dense_gemv_pdl_after_norm(c: tuple) -> None:
+    """Launched with PDL right behind the RMSNorm that writes its input (which lets it start early), with and
+    without the L2 prefetch, eagerly and from a CUDA graph: bitwise what the plain launch gives."""
+    from nibble.kernels.norm import rms_norm
+    from nibble.kernels.pdl import pdl_supported
+
+    if not pdl_supported(DEV):
+        pytest.skip("PDL needs sm_90+ and a Triton with launch_pdl")
+    gen = torch.Generator(DEV).manual_seed(3)
+    t, n, k = (1 if c[-1] == "gemv" else 9), 3072, 8192
+    w = torch.randn(n, k, device=DEV, generator=gen).mul_(k ** -0.5).to(torch.bfloat16)
+    nw = torch.randn(k, device=DEV, generator=gen).to(torch.bfloat16)
+    x = torch.randn(t, k, device=DEV, generator=gen).to(torch.bfloat16)
+    plain = dense_linear_launch(rms_norm(x, nw, 1e-6)[0], w, config={**cfg(*c), "pdl": False})
+    for extra in ({"pdl": True}, {"pdl": True, "prefetch_mib": 0}, {"pdl": True, "prefetch_mib": 64}):
+        out = {}
+
+        def step(out: dict = out, extra: dict = extra) -> None:
+            out["y"] = dense_linear_launch(rms_norm(x, nw, 1e-6)[0], w, config={**cfg(*c), **extra})
+
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(out["y"], plain), extra
+        g = capture_graph(step)
+        out["y"].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out["y"], plain), (extra, "graph")
