@@ -41,7 +41,6 @@ stage_env() {
 }
 stage_gputests() { NIBBLE_TEST_GPU=1 run gputests 420 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -p no:cacheprovider -rf; }
 stage_enginetests() { NIBBLE_TEST_GPU=1 run enginetests 360 python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf; }
-stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "paged or gated_delta or conv1d or norms" -p no:cacheprovider -rf; }
 stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or paged or conv1d or gated_delta or chunk_plan or elementwise or route or nvfp4_linear or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf; }
 stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "logit_bias or structured" -p no:cacheprovider -rf; }
 stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise or select_kernels" -p no:cacheprovider -rf; }
