@@ -52,16 +52,31 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+DENSE_CALLS: list[int] = []
+
+
+def _dense_kernels(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`dense_linear` with its kernels forced: "gemv" for up to 8 tokens, "dot" for 9-16, torch above."""
+    from nibble.kernels.dense_gemv import dense_linear_launch
+
+    t = x.numel() // x.shape[-1]
+    DENSE_CALLS.append(t)
+    path = "gemv" if t <= 8 else "dot"
+    return dense_linear_launch(x, w, config={"path": path, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2})
+
+
 def _fused_elementwise_kernels() -> KernelSet:
     """The reference set with the Triton kernels (interpreter) of the ops that read strided views of the
     fused projections: the GDN gating (alone and inside the decode step), the router, the shared expert's
-    activation and combination (alone and inside the next RMSNorm), the attention q/k norm and output gate."""
+    activation and combination (alone and inside the next RMSNorm), the attention q/k norm and output gate;
+    and the BF16 projections' decode GEMV kernels (`dense_linear`, the 4-sequence decode steps)."""
     from nibble.kernels import activation, gated_delta, gdn_gating, moe_route, norm
 
     return replace(KernelSet.reference(), gdn_gating=gdn_gating.gdn_gating, route=moe_route.route,
                    silu_and_mul=activation.silu_and_mul, moe_combine=activation.moe_combine,
                    sigmoid_mul=activation.sigmoid_mul, qk_rms_norm=norm.qk_rms_norm,
-                   rms_norm_moe=norm.rms_norm_moe, gated_delta_rule_decode=gated_delta.gated_delta_rule_decode)
+                   rms_norm_moe=norm.rms_norm_moe, gated_delta_rule_decode=gated_delta.gated_delta_rule_decode,
+                   dense_linear=_dense_kernels)
 
 
 @torch.inference_mode()
@@ -99,6 +114,8 @@ def test_logits_prefill_and_decode_match_transformers(checkpoint: tuple[Path, ob
         for step, got in enumerate(step_logits[i]):
             err = _rel_err(got, ref[first + step])
             assert err < 1e-4, f"sequence {i}, step {step}: relative error {err:.2e}"
+    if kernels != "reference":
+        assert 4 in DENSE_CALLS  # the decode steps' projections went through dense_linear
 
 
 @torch.inference_mode()
