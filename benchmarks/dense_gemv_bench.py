@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nibble.bench.gpu_timing import capture_graph
+from nibble.bench.gpu_timing import stream_us
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.kernels.dense_gemv import GEMV_MAX_TOKENS, dense_linear_launch
 from nibble.kernels.selftest import dense_linear_shapes
@@ -57,26 +56,6 @@ def variants(t: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def stream_us(fns: list, rounds: int = 3, reps: int = 7) -> float:
-    """Microseconds per call of one graph running every fn in turn, `rounds` times (median of reps)."""
-
-    def all_calls() -> None:
-        for _ in range(rounds):
-            for f in fns:
-                f()
-
-    g = capture_graph(all_calls)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (rounds * len(fns)))
-    return statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device("cuda")
     ceil = measure_copy_bandwidth(dev, 1 << 30) / 1e12
@@ -102,7 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     out = dense_linear_launch(x, ws[0], config=cfg)
                     torch.cuda.synchronize()
                     rec["err"] = float((out.float() - ref).norm() / ref.norm())
-                    rec["us"] = stream_us([partial(dense_linear_launch, x, w, config=cfg) for w in ws])
+                    rec["us"] = stream_us([partial(dense_linear_launch, x, w, config=cfg) for w in ws], rounds=3,
+                                          reps=7)
                     rec["tbps"] = nbytes / (rec["us"] * 1e-6) / 1e12
                     rec["pct_copy"] = 100 * rec["tbps"] / ceil
                 except Exception as ex:

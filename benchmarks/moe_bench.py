@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nibble.bench.gpu_timing import capture_graph, cold_ms
+from nibble.bench.gpu_timing import capture_graph, cold_ms, stream_us
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.fused_moe import fused_moe_launch
@@ -235,24 +234,7 @@ class Timer:
     def stream_us(self, fns: list, rounds: int = 5, flush: bool = True) -> float:
         """Microseconds per op of one graph replaying `fns` `rounds` times in a row (median of 5 replays);
         flush: zero the L2-sized buffer before each replay."""
-
-        def all_layers() -> None:
-            for _ in range(rounds):
-                for f in fns:
-                    f()
-
-        g = capture_graph(all_layers)
-        times = []
-        for _ in range(5):
-            if flush:
-                self.flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / (rounds * len(fns)))
-        return statistics.median(times)
+        return stream_us(fns, rounds, 5, self.flush if flush else None)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

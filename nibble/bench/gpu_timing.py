@@ -23,6 +23,30 @@ def capture_graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def stream_us(fns: list[Callable[[], Any]], rounds: int, reps: int, flush: torch.Tensor | None = None) -> float:
+    """Microseconds per call of one CUDA graph running every fn in turn, `rounds` times in a row (like
+    consecutive layers), median over `reps` replays; `flush` (a buffer larger than the L2), if given, is zeroed
+    before each replay."""
+
+    def all_calls() -> None:
+        for _ in range(rounds):
+            for f in fns:
+                f()
+
+    graph = capture_graph(all_calls)
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(fns)))
+    return statistics.median(times)
+
+
 def cold_ms(run: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
     """Median milliseconds of run() over reps calls, `flush` (a buffer larger than the L2) zeroed before each
     call so that every call starts with a cold cache."""
