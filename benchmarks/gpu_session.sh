@@ -90,6 +90,16 @@ json.dump(t, open(sys.argv[1], 'w'))" "$table"
   done
   cp /tmp/table_backup.json "$table"
 }
+stage_siblingtable() {  # a GPU without MoE / attention entries of its own: its capability's table (H200's) vs default.json
+  local v
+  for v in sibling default; do
+    [ "$v" = default ] && mv nibble/kernels/tuning/by_capability.json /tmp/by_capability.json
+    run moetable_$v 200 python3 benchmarks/moe_bench.py --models 122B,35B --tokens 1,4,16,64,256,2048 --only "^auto$" \
+      --out "$OUT/moetable_$v.json"
+    run attntable_$v 240 python3 benchmarks/attention_prefill_bench.py --sweep "" --out "$OUT/attntable_$v.json"
+  done
+  mv /tmp/by_capability.json nibble/kernels/tuning/by_capability.json
+}
 stage_normtriggertests() { NIBBLE_TEST_GPU=1 run normtriggertests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise" -p no:cacheprovider -rf; }
 stage_moetests() { NIBBLE_TEST_GPU=1 run moetests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k moe -p no:cacheprovider -rf; }
 stage_moe() {
