@@ -9,6 +9,9 @@ set -uo pipefail
 # brings back at most 8 files) and the summary is copied next to it, so a run cut short still returns data.
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/nibble_work
+# a machine may be lent again with an earlier call's work folder still there: start empty, so that no older
+# file is packed with this call's results
+rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
