@@ -315,6 +315,10 @@ stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped sc
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"
 }
 
+stage_profile35b1() {  # where a batch-1 35B decode step's time goes (CUDA-graph replay, kernels per step)
+  run profile35b1 240 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --batch-sizes 1 \
+    --out "$OUT/profile35b1"
+}
 stage_profile35() {
   run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
 }
