@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nibble.bench.gpu_timing import capture_graph
+from nibble.bench.gpu_timing import capture_graph, replay_us
 from nibble.kernels import paged_attention as pa
 from nibble.kernels.attention import paged_attention_ref
 
@@ -69,16 +69,7 @@ def _inputs(hq: int, q_len: int, ctx: int, kv_dtype: torch.dtype, page: int = 16
 def _graph_us(fn: Any, launches: int = 20) -> Any:
     """A CUDA graph of `launches` calls of fn, and a function timing one replay per call (µs per launch)."""
     graph = capture_graph(lambda: [fn() for _ in range(launches)])
-
-    def time_once() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        return 1e3 * a.elapsed_time(b) / launches
-
-    return time_once
+    return lambda: replay_us(graph, launches)
 
 
 def _decode_cases(args: argparse.Namespace, base: ModuleType | None) -> list[dict]:

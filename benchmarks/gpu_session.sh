@@ -55,24 +55,24 @@ stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode pr
   # the entries go into this GPU's own table in this checkout, for the stages after this one (densee2e)
   run densetable 30 python3 benchmarks/install_tuning_entries.py dense_linear "$OUT/dense_table.json"
 }
+decode_latency() {  # decode_latency NAME LIMIT_S MODEL [FLAGS...]: decode steps at batch 1, 4, 8 after 1024-token prompts
+  local name=$1 limit=$2 model=$3; shift 3
+  run "$name" "$limit" python3 -m nibble.cli bench latency --model "$M/$model" --load-format dummy \
+    --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 "$@" --output-json "$OUT/$name.json"
+}
+profile_b1() {  # profile_b1 NAME MODEL: where a batch-1 decode step's time goes (CUDA-graph replay, kernels per step)
+  run "$1" 240 python3 benchmarks/profile_decode.py --model "$M/$2" --batch-sizes 1 --out "$OUT/$1"
+}
 stage_densee2e() {  # 122B decode steps with the dense GEMV (the table), with cuBLAS (--linear-backend torch), with it again
-  for v in on off on2; do
-    local flag=""; [ "$v" = off ] && flag="--linear-backend torch"
-    run densee2e_$v 170 python3 -m nibble.cli bench latency --model $M/Qwen3.5-122B-A10B-NVFP4 --load-format dummy \
-      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 $flag --output-json "$OUT/densee2e_$v.json"
-  done
+  decode_latency densee2e_on 170 Qwen3.5-122B-A10B-NVFP4
+  decode_latency densee2e_off 170 Qwen3.5-122B-A10B-NVFP4 --linear-backend torch
+  decode_latency densee2e_on2 170 Qwen3.5-122B-A10B-NVFP4
 }
 stage_densee2e35() {  # 35B decode steps with the dense GEMV (the table) and with cuBLAS (--linear-backend torch)
-  for v in on off; do
-    local flag=""; [ "$v" = off ] && flag="--linear-backend torch"
-    run densee2e35_$v 150 python3 -m nibble.cli bench latency --model $M/Qwen3.5-35B-A3B-NVFP4 --load-format dummy \
-      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 $flag --output-json "$OUT/densee2e35_$v.json"
-  done
+  decode_latency densee2e35_on 150 Qwen3.5-35B-A3B-NVFP4
+  decode_latency densee2e35_off 150 Qwen3.5-35B-A3B-NVFP4 --linear-backend torch
 }
-stage_profile122b1() {  # where a batch-1 122B decode step's time goes (CUDA-graph replay, kernels per step)
-  run profile122b1 240 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-122B-A10B-NVFP4 --batch-sizes 1 \
-    --out "$OUT/profile122b1"
-}
+stage_profile122b1() { profile_b1 profile122b1 Qwen3.5-122B-A10B-NVFP4; }
 stage_selecttest() { NIBBLE_TEST_GPU=1 run selecttest 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k select_kernels -p no:cacheprovider -rf; }
 stage_densepdl() {  # decode steps with the dense GEMV launched with PDL (default), without, with again; 122B where it fits
   local model=Qwen3.5-35B-A3B-NVFP4 table
@@ -88,8 +88,7 @@ t = json.load(open(sys.argv[1]))
 for e in t['dense_linear']:
     e['config']['pdl'] = False
 json.dump(t, open(sys.argv[1], 'w'))" "$table"
-    run densepdl_$v 170 python3 -m nibble.cli bench latency --model $M/$model --load-format dummy \
-      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 --output-json "$OUT/densepdl_$v.json"
+    decode_latency densepdl_$v 170 $model
   done
   cp /tmp/table_backup.json "$table"
 }
@@ -298,15 +297,12 @@ stage_longctx() {  # YaRN past the pretraining length: a 300k-token prompt on th
 }
 # paged attention against an older kernel where .bench_assets/paged_attention_old.py holds one, e.g.
 #   git show 5d9ee40:nibble/kernels/paged_attention.py > .bench_assets/paged_attention_old.py
+attn_baseline() { [ -f .bench_assets/paged_attention_old.py ] && echo "--baseline .bench_assets/paged_attention_old.py"; }
 stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes
-  local base=""
-  [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
-  run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $base --out "$OUT/attnprefill.json"
+  run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $(attn_baseline) --out "$OUT/attnprefill.json"
 }
 stage_attndecode() {  # the table's prefill tile against the old kernel, and decode / verify with and without the unmasked loop
-  local base=""
-  [ -f .bench_assets/paged_attention_old.py ] && base="--baseline .bench_assets/paged_attention_old.py"
-  run attndecode 300 python3 benchmarks/attention_prefill_bench.py $base --sweep "" --out "$OUT/attndecode.json"
+  run attndecode 300 python3 benchmarks/attention_prefill_bench.py $(attn_baseline) --sweep "" --out "$OUT/attndecode.json"
 }
 stage_prefillhost() {  # short eager prefills: wall vs kernel time, fla's chunked delta rule vs the recurrent one
   run prefillhost 400 python3 benchmarks/prefill_host_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --out "$OUT/prefillhost"
@@ -315,10 +311,7 @@ stage_ttft() {  # TTFT of request bursts through LLMEngine itself, overlapped sc
   run ttft 200 python3 benchmarks/ttft_probe.py --model $M/Qwen3.5-122B-A10B-NVFP4 --bursts 1,8,32 --out "$OUT/ttft.json"
 }
 
-stage_profile35b1() {  # where a batch-1 35B decode step's time goes (CUDA-graph replay, kernels per step)
-  run profile35b1 240 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --batch-sizes 1 \
-    --out "$OUT/profile35b1"
-}
+stage_profile35b1() { profile_b1 profile35b1 Qwen3.5-35B-A3B-NVFP4; }
 stage_profile35() {
   run profile35 260 python3 benchmarks/profile_decode.py --model $M/Qwen3.5-35B-A3B-NVFP4 --out "$OUT/profile35"
 }

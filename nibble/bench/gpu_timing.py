@@ -38,13 +38,18 @@ def stream_us(fns: list[Callable[[], Any]], rounds: int, reps: int, flush: torch
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(fns)))
+        times.append(replay_us(graph, rounds * len(fns)))
     return statistics.median(times)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Microseconds per call of one replay of `graph`, which holds `calls` calls (waits for the replay)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
 
 
 def cold_ms(run: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
