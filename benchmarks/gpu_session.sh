@@ -92,6 +92,23 @@ json.dump(t, open(sys.argv[1], 'w'))" "$table"
   done
   cp /tmp/table_backup.json "$table"
 }
+stage_flatables() {  # fla-core's configs for this GPU (fla_tables.py): autotuned and stored, then cold self-tests without / with
+  local key
+  key=$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))")
+  TRITON_CACHE_DIR=$(mktemp -d) run flawrite 300 python3 benchmarks/fla_tables.py write --models 122B,35B \
+    --json "$OUT/flawrite.json"
+  mkdir -p "$OUT/fla_tables" && cp -r "nibble/kernels/tuning/fla/$key" "$OUT/fla_tables/"
+  FLA_CACHE_MODE=disabled TRITON_CACHE_DIR=$(mktemp -d) run flaselect_off 240 python3 benchmarks/fla_tables.py select \
+    --model 122B --json "$OUT/flaselect_off.json"
+  TRITON_CACHE_DIR=$(mktemp -d) run flaselect_on 240 python3 benchmarks/fla_tables.py select --model 122B \
+    --json "$OUT/flaselect_on.json"
+}
+stage_flacold() {  # cold Triton cache with the stored fla configs: self-tests of the 35B, then an engine start and decode steps
+  TRITON_CACHE_DIR=$(mktemp -d) run flacold_select 240 python3 benchmarks/fla_tables.py select --model 35B \
+    --json "$OUT/flacold_select.json"
+  TRITON_CACHE_DIR=$(mktemp -d) decode_latency flacold_e2e 300 Qwen3.5-35B-A3B-NVFP4
+  grep -h "gated_delta_rule: \|self-tests" "$OUT/flacold_e2e.log" | tee -a "$SUMMARY"
+}
 stage_siblingtable() {  # a GPU without MoE / attention entries of its own: its capability's table (H200's) vs default.json
   local v
   for v in sibling default; do

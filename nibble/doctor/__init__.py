@@ -154,6 +154,8 @@ def render(doc: dict[str, Any]) -> str:
                f"{' (TRITON_INTERPRET=1)' if env['triton_interpret'] else ''}")
     out.append(f"  fla-core    {fla['version'] or 'not installed'}; gated_delta_rule importable: "
                f"{fla['importable']}{' (' + fla['detail'] + ')' if fla['detail'] else ''}")
+    if fla.get("configs"):
+        out.append(f"              {fla['configs']}")
     out.append("  packages    " + ", ".join(f"{p} {pk[p] or '-'}" for p in ("transformers", "safetensors",
                                                                              "tokenizers", "fastapi", "uvicorn",
                                                                              "llguidance")))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nibble.kernels._triton import HAVE_TRITON, interpreting, tl, triton
+from nibble.kernels.fla_tables import use_fla_tables
 from nibble.kernels.tuning_tables import device_tables
 
 PACKAGES = ("torch", "triton", "fla-core", "transformers", "safetensors", "tokenizers", "fastapi", "uvicorn",
@@ -34,10 +35,14 @@ def package_version(name: str) -> str | None:
 
 def _fla_status() -> dict[str, Any]:
     """fla-core's version and whether its gated delta rule ops import (they need a working Triton driver)."""
-    out: dict[str, Any] = {"version": package_version("fla-core"), "importable": False, "detail": ""}
+    out: dict[str, Any] = {"version": package_version("fla-core"), "importable": False, "detail": "",
+                           "configs": ""}
     if out["version"] is None:
         out["detail"] = "not installed (GDN uses nibble's own Triton kernel or the torch reference)"
         return out
+    if torch.cuda.is_available():
+        # before fla's first import, which fixes its config mode (fla_tables.py)
+        out["configs"] = use_fla_tables(torch.device("cuda", 0))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from nibble.kernels._triton import HAVE_TRITON, capability, interpreting
+from nibble.kernels.fla_tables import use_fla_tables
 from nibble.kernels.kernel_set import OP_NAMES, KernelSet
 from nibble.kernels.selftest import SELF_TESTS, SelfTestContext, SelfTestFailure
 from nibble.models.config import ModelConfig
@@ -94,6 +95,7 @@ def fla_check(p: Platform) -> str | None:
         return reason
     if p.device.type != "cuda":
         return "fla-core kernels need a CUDA device"
+    log.info("gated_delta_rule: %s", use_fla_tables(p.device))
     try:
         importlib.import_module("fla.ops.gated_delta_rule")
     except Exception as e:  # fla raises more than ImportError when its drivers are missing

@@ -79,10 +79,15 @@ def device_tables(device: torch.device | str) -> tuple[str, ...]:
     return _resolve(device_key(device), capability(device))
 
 
+def capability_table(cap: tuple[int, int] | None) -> str | None:
+    """The device name `by_capability.json` gives for compute capability `cap` (None: none given)."""
+    return _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}") if cap is not None else None
+
+
 @functools.lru_cache(maxsize=16)
 def _resolve(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
     own = bool(_table(name))
-    sibling = _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}") if cap is not None else None
+    sibling = capability_table(cap)
     if sibling is None or sibling == name or not _table(sibling):
         return (name,) if own else ()
     if not own:
