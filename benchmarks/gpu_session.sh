@@ -197,6 +197,33 @@ stage_moetile() {  # sorted-path tiles at 4-8 pairs per expert
   run moetile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
     --only "^srt:(split|perm)(16|32)|^srt:quad8" --out "$OUT/moetile.json"
 }
+stage_moedn1() {  # 1-4 tokens: the table's choice against the top-k sum by a separate reduce launch, twice
+  local v
+  for v in a b; do
+    run moedn1$v 200 python3 benchmarks/moe_bench.py --models 122B,35B,397B --tokens 1,2,3,4 --only '^auto$' --reps 40 \
+      --variant 'dnreduce={"dn_mode": "reduce"}' --variant 'dnreduce256={"dn_mode": "reduce", "dn_block_k": 256}' \
+      --out "$OUT/moedn1$v.json"
+  done
+}
+stage_moedne2e() {  # 35B decode steps: the table, with the one-token top-k sum by a separate reduce launch, the table again
+  local table v
+  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  cp "$table" /tmp/table_backup.json
+  for v in on reduce on2; do
+    cp /tmp/table_backup.json "$table"
+    # the whole one-token configuration this GPU takes for the 35B layer, with dn_mode "reduce", first in its own table
+    [ "$v" = reduce ] && python3 -c "
+import json, sys
+from nibble.kernels.tuning_tables import lookup
+key = {'tokens': 1, 'fp4': True, 'hidden': 2048, 'inter': 512, 'experts': 256, 'top_k': 8, 'pairs_per_expert': 8 / 256}
+cfg = {**lookup('fused_moe', 'cuda:0', key), 'dn_mode': 'reduce'}
+t = json.load(open(sys.argv[1]))
+t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 1, 'max_hidden': 2048}, 'config': cfg})
+json.dump(t, open(sys.argv[1], 'w'))" "$table"
+    decode_latency moedne2e_$v 170 Qwen3.5-35B-A3B-NVFP4
+  done
+  cp /tmp/table_backup.json "$table"
+}
 stage_moe397() { run moe397 200 python3 benchmarks/moe_bench.py --models 397B --tokens 1,4,16,64,256,2048 --out "$OUT/moe397.json"; }
 stage_ncu() {
   run ncu 100 ncu --clock-control none --kernel-name regex:moe_ --launch-skip 0 --launch-count 10 \
