@@ -8,9 +8,9 @@ the sequence length), from the folder `FLA_CONFIG_DIR` names, when `FLA_CACHE_MO
 those files under `tuning/fla/<device>/` (device names as in `_triton.device_key`); `tuning/fla/index.json`
 records for each folder the GPU's compute capability and the fla-core and Triton versions it was tuned with.
 A folder serves only the fla-core version it was made with (another version may have renamed kernels or
-changed their parameters); a GPU without a folder of its own takes the one of the GPU `by_capability.json`
-names for its compute capability, else any folder of a GPU with the same capability (same shared memory per
-SM, so every stored configuration fits).
+changed their parameters) and the same Triton minor version; a GPU without a folder of its own takes the one
+of the GPU `by_capability.json` names for its compute capability, else any folder of a GPU with the same
+capability (same shared memory per SM, so every stored configuration fits).
 
 `use_fla_tables` points fla-core there in "strict" mode (exact key match: shapes not stored, e.g. other
 head counts under tensor parallelism, are autotuned as before). fla reads the mode once, when it is first
@@ -63,19 +63,27 @@ def fla_table_candidates(key: str, cap: tuple[int, int] | None) -> list[tuple[st
     return out
 
 
-def fla_table_dir(key: str, cap: tuple[int, int] | None, fla_version: str | None) -> Path | None:
-    """The folder of stored configs for device `key` made with fla-core `fla_version`, or None."""
+def _minor(version: str | None) -> tuple[str, ...]:
+    return tuple((version or "").split(".")[:2])
+
+
+def fla_table_dir(key: str, cap: tuple[int, int] | None, versions: tuple[str | None, str | None]) -> Path | None:
+    """The folder of stored configs for device `key` made with these (fla-core, Triton) versions, or None.
+    fla-core must match exactly; Triton to the minor version (another Triton may use more shared memory or
+    registers for the same configuration)."""
+    fla_version, triton_version = versions
     for name, meta in fla_table_candidates(key, cap):
-        if meta.get("fla_core") == fla_version:
+        if meta.get("fla_core") == fla_version and _minor(meta.get("triton")) == _minor(triton_version):
             return FLA_TABLE_DIR / name
     return None
 
 
-def configure_fla_env(key: str, cap: tuple[int, int] | None, fla_version: str | None,
+def configure_fla_env(key: str, cap: tuple[int, int] | None, versions: tuple[str | None, str | None],
                       environ: MutableMapping[str, str], fla_imported: bool) -> str:
     """Set FLA_CACHE_MODE / FLA_CONFIG_DIR in `environ` for device `key` where that is possible and wanted;
-    returns what fla-core will do, as one line for the log and `nibble doctor`."""
-    path = fla_table_dir(key, cap, fla_version)
+    versions: the installed (fla-core, Triton). Returns what fla-core will do, as one line for the log and
+    `nibble doctor`."""
+    path = fla_table_dir(key, cap, versions)
     where = "" if path is None else str(path.relative_to(TUNING_DIR.parent) if path.is_relative_to(TUNING_DIR.parent)
                                         else path)
     used = f"fla-core configs from {where} ({FLA_MODE}: shapes not stored are autotuned)"
@@ -89,7 +97,8 @@ def configure_fla_env(key: str, cap: tuple[int, int] | None, fla_version: str | 
         if other:
             name, meta = other[0]
             return (f"fla-core autotunes its kernels: the configs stored for {name} are for fla-core "
-                    f"{meta.get('fla_core')}, this is {fla_version}")
+                    f"{meta.get('fla_core')} with Triton {meta.get('triton')}, "
+                    f"this is {versions[0]} with {versions[1]}")
         return f"fla-core autotunes its kernels: no stored configs for {key}"
     if fla_imported:
         return f"fla-core autotunes its kernels: it was imported before nibble could point it at {where}"
@@ -105,10 +114,10 @@ def use_fla_tables(device: torch.device | str) -> str:
     if device.type != "cuda":
         return "fla-core not used off CUDA devices"
     try:
-        version = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "fla-core not installed"
-    return configure_fla_env(device_key(device), capability(device), version, os.environ,
+        versions = (importlib.metadata.version("fla-core"), importlib.metadata.version("triton"))
+    except importlib.metadata.PackageNotFoundError as e:
+        return f"fla-core autotunes its kernels if it runs: {e.name} not installed"
+    return configure_fla_env(device_key(device), capability(device), versions, os.environ,
                              _FLA_CACHE_MODULE in sys.modules)
 
 

@@ -57,6 +57,7 @@ def _tuner(name: str = "toy_kernel"):
 
 
 KEY = (4096, "torch.bfloat16", "torch.float32")
+V = ("0.6.0", "3.6.0")  # (fla-core, Triton) of a stored folder
 
 
 def test_written_tables_are_read_by_fla(tmp_path, monkeypatch):
@@ -97,18 +98,20 @@ def test_configure_env(tmp_path, monkeypatch):
     monkeypatch.setattr(fla_tables, "FLA_TABLE_DIR", tmp_path)
     _store(tmp_path, "gpu_a", "8.9")
     env: dict[str, str] = {}
-    assert "no stored configs for gpu_b" in configure_fla_env("gpu_b", (8, 0), "0.6.0", env, fla_imported=False)
+    assert "no stored configs for gpu_b" in configure_fla_env("gpu_b", (8, 0), V, env, fla_imported=False)
     assert env == {}
     late: dict[str, str] = {}
-    assert "imported before" in configure_fla_env("gpu_a", (8, 9), "0.6.0", late, fla_imported=True)
+    assert "imported before" in configure_fla_env("gpu_a", (8, 9), V, late, fla_imported=True)
     assert late == {}
-    assert "for fla-core 0.6.0, this is 0.7.1" in configure_fla_env("gpu_a", (8, 9), "0.7.1", late, False)
+    assert "for fla-core 0.6.0 with Triton 3.6.0, this is 0.7.1 with 3.6.0" in configure_fla_env(
+        "gpu_a", (8, 9), ("0.7.1", "3.6.0"), late, False)
+    assert "this is 0.6.0 with 3.7.1" in configure_fla_env("gpu_a", (8, 9), ("0.6.0", "3.7.1"), late, False)
     assert late == {}
-    assert "configs from" in configure_fla_env("gpu_a", (8, 9), "0.6.0", env, fla_imported=False)
+    assert "configs from" in configure_fla_env("gpu_a", (8, 9), V, env, fla_imported=False)
     assert env == {"FLA_CACHE_MODE": FLA_MODE, "FLA_CONFIG_DIR": str(tmp_path / "gpu_a")}
-    assert "configs from" in configure_fla_env("gpu_a", (8, 9), "0.6.0", env, fla_imported=True)
+    assert "configs from" in configure_fla_env("gpu_a", (8, 9), V, env, fla_imported=True)
     user = {"FLA_CACHE_MODE": "disabled"}
-    assert "as the environment sets them" in configure_fla_env("gpu_a", (8, 9), "0.6.0", user, False)
+    assert "as the environment sets them" in configure_fla_env("gpu_a", (8, 9), V, user, False)
     assert user == {"FLA_CACHE_MODE": "disabled"}
 
 
@@ -119,13 +122,14 @@ def test_same_capability_fallback(tmp_path, monkeypatch):
     assert sibling is not None
     _store(tmp_path, "other_sm90", "9.0")
     _store(tmp_path, "an_sm80", "8.0")
-    assert fla_table_dir("new_sm90", (9, 0), "0.6.0") == tmp_path / "other_sm90"
-    assert fla_table_dir("new_sm89", (8, 9), "0.6.0") is None
+    assert fla_table_dir("new_sm90", (9, 0), V) == tmp_path / "other_sm90"
+    assert fla_table_dir("new_sm90", (9, 0), ("0.6.0", "3.6.7")) == tmp_path / "other_sm90"
+    assert fla_table_dir("new_sm89", (8, 9), V) is None
     _store(tmp_path, sibling, "9.0")
-    assert fla_table_dir("new_sm90", (9, 0), "0.6.0") == tmp_path / sibling
+    assert fla_table_dir("new_sm90", (9, 0), V) == tmp_path / sibling
     _store(tmp_path, "new_sm90", "9.0", fla_core="0.5.0")
-    assert fla_table_dir("new_sm90", (9, 0), "0.6.0") == tmp_path / sibling
-    assert fla_table_dir("new_sm90", (9, 0), "0.5.0") == tmp_path / "new_sm90"
+    assert fla_table_dir("new_sm90", (9, 0), V) == tmp_path / sibling
+    assert fla_table_dir("new_sm90", (9, 0), ("0.5.0", "3.6.0")) == tmp_path / "new_sm90"
 
 
 def test_shipped_tables_match_fla_keys():
