@@ -205,6 +205,26 @@ stage_moedn1() {  # 1-4 tokens: the table's choice against the top-k sum by a se
       --out "$OUT/moedn1$v.json"
   done
 }
+stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mode (MMAs narrower than 8 columns), twice
+  local v
+  for v in a b; do
+    run moebt$v 150 python3 benchmarks/moe_bench.py --models 122B,35B,397B --tokens 1,2,4,7 --only '^auto$' --reps 40 \
+      --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
+  done
+}
+stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
+  local table
+  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  cp "$table" /tmp/table_backup.json
+  decode_latency moebte2e_on 120 Qwen3.5-35B-A3B-NVFP4
+  python3 -c "
+import json, sys
+t = json.load(open(sys.argv[1]))
+t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 7}, 'config': {'block_t': 2}})
+json.dump(t, open(sys.argv[1], 'w'))" "$table"
+  decode_latency moebte2e_bt2 120 Qwen3.5-35B-A3B-NVFP4
+  cp /tmp/table_backup.json "$table"
+}
 stage_moedne2e() {  # 35B decode steps: the table, with the one-token top-k sum by a separate reduce launch, the table again
   local table v
   table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json

@@ -14,7 +14,8 @@ with the routing weight fused, then the top-k sum in a fixed order (tuning field
 small extra launch; "fused" = done by the down kernel's last program per token and slice, `gemv` path only;
 "token" = a per-token down kernel that loops over the k experts). `xmode` picks how the activations meet
 the weights' stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per
-block of the sorted path, `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
+block of the sorted path (and in quad mode of the `gemv` path, whose one pair per program fills slot 0: up to
+4, fewer slots make narrower MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
 fp16 (fp4_tiles.py, DEC 3; DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense
 experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which
 `generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4 baseline, kept for comparison).
@@ -186,14 +187,15 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}  # moe_w4_down_kernel only: the token kernel has no PDL
     rkw = _pdl_launch(pdl)
     if path == "gemv":
-        # one pair per block (token slot 0 of 4 in quad mode, of 16 in split mode; perm needs a sort anyway)
+        # one pair per block: token slot 0 of 16 in split mode, of `block_t` (at most 4) in quad mode (perm needs a
+        # sort anyway); Triton pads an MMA narrower than 8 columns, so 1 or 2 slots halve the MMA's columns
         gbn, gbk, dbn, dbk = base["gbn"], base["gbk"], base["dbn"], base["dbk"]
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         flat = ids.view(-1)
         xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
-        slots = 4 if xmode == QUAD else 16
+        slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](

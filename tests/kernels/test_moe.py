@@ -117,6 +117,9 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
 @pytest.mark.parametrize("path,cfg", [
     ("gemv", {"xmode": "quad", "dn_mode": "fused"}), ("gemv", {"xmode": "split", "dn_mode": "fused"}),
     ("gemv", {"xmode": "quad", "dn_mode": "reduce"}), ("gemv", {"dn_mode": "token"}),
+    # one pair per program in 1 or 2 token slots: MMAs narrower than 8 columns, padded by Triton
+    ("gemv", {"xmode": "quad", "block_t": 1, "dn_mode": "fused"}),
+    ("gemv", {"xmode": "quad", "block_t": 2, "dn_mode": "reduce"}),
     ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
     ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False}),
     ("sorted", {"xmode": "quad", "block_t": 4, **MIXED})])
