@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import os
 import sys
 from collections.abc import Iterable, MutableMapping
@@ -39,7 +38,6 @@ FLA_TABLE_DIR = TUNING_DIR / "fla"
 INDEX_FILE = "index.json"
 FLA_MODE = "strict"
 _FLA_CACHE_MODULE = "fla.ops.utils.cache"
-logger = logging.getLogger(__name__)
 
 
 def _index(root: Path) -> dict[str, dict[str, str]]:
