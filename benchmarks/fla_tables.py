@@ -1,8 +1,9 @@
 """fla-core's launch configurations for this GPU (`nibble/kernels/fla_tables.py`): store them, and time the
 start-up self-tests on a cold Triton cache with and without them.
 
-    python benchmarks/fla_tables.py write --models 122B,35B [--dir DIR] [--json F]
-        fla autotunes (FLA_CACHE_MODE=disabled) the GDN prefill kernels on each model's real shapes, through
+    python benchmarks/fla_tables.py write --models 122B,35B [--tp 1,2,4,8] [--dir DIR] [--json F]
+        fla autotunes (FLA_CACHE_MODE=disabled) the GDN prefill kernels on each model's real shapes (with
+        --tp also on a tensor-parallel rank's share of the GDN heads, where the heads divide), through
         the self-test of `gated_delta_rule` and a two-sequence prefill of 2825 tokens; the settled configs
         are merged into DIR (default: nibble/kernels/tuning/fla/<this GPU>/), the GPU and versions noted in
         DIR/../index.json.
@@ -16,6 +17,7 @@ Run each in a fresh process with a fresh TRITON_CACHE_DIR for cold figures (`gpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -46,7 +48,14 @@ def _tuned() -> list[str]:
     return sorted(t.base_fn.__name__ + ("" if id(t) in stored else " (plain)") for t in ran)
 
 
-def write(models: list[str], out_dir: Path | None) -> dict:
+def _rank_configs(cfg: ModelConfig, tps: list[int]) -> list[tuple[int, ModelConfig]]:
+    """(tp, the config with one rank's share of the GDN heads) for each tensor-parallel size dividing them."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return [(tp, dataclasses.replace(cfg, linear_num_key_heads=hk // tp, linear_num_value_heads=hv // tp))
+            for tp in tps if hk % tp == 0 and hv % tp == 0]
+
+
+def write(models: list[str], tps: list[int], out_dir: Path | None) -> dict:
     os.environ["FLA_CACHE_MODE"] = "disabled"  # before fla's first import: autotune everything afresh
     import triton
 
@@ -58,8 +67,7 @@ def write(models: list[str], out_dir: Path | None) -> dict:
     dev = torch.device("cuda", 0)
     out_dir = out_dir or FLA_TABLE_DIR / device_key(dev)
     res: dict = {"device": torch.cuda.get_device_name(dev), "dir": str(out_dir), "models": {}}
-    for name in models:
-        cfg = _config(name)
+    for name, tp, cfg in ((m, tp, c) for m in models for tp, c in _rank_configs(_config(m), tps)):
         gen = torch.Generator(device=dev)
         gen.manual_seed(0)
         ctx = SelfTestContext(cfg, dev, torch.bfloat16, torch.bfloat16, 16, gen)
@@ -78,9 +86,9 @@ def write(models: list[str], out_dir: Path | None) -> dict:
         gated_delta_rule_fla(q, k, v, g, beta, state, cu, slots, cu_seqlens_cpu=offsets)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        res["models"][name] = {"heads": [hk, hv], "selftest_s": round(t1 - t0, 2), "rel_err": err,
-                               "prefill_after_s": round(t2 - t1, 2), "autotuned": _tuned()}
-        print(f"{name}: GDN heads {hk}/{hv}: self-test {t1 - t0:.1f} s (rel err {err:.2e}), then a {t}-token "
+        res["models"][f"{name} tp{tp}"] = {"heads": [hk, hv], "selftest_s": round(t1 - t0, 2), "rel_err": err,
+                                           "prefill_after_s": round(t2 - t1, 2), "autotuned": _tuned()}
+        print(f"{name}, TP {tp}: GDN heads {hk}/{hv}: self-test {t1 - t0:.1f} s (rel err {err:.2e}), then a {t}-token "
               f"prefill {t2 - t1:.2f} s", flush=True)
     tables = collect_fla_tables()
     paths = write_fla_tables(out_dir, tables)
@@ -116,13 +124,17 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--models", default="122B,35B")
+    w.add_argument("--tp", default="1", help="tensor-parallel sizes whose per-rank GDN shapes to store too")
     w.add_argument("--dir", type=Path, default=None)
     w.add_argument("--json", type=Path, default=None)
     s = sub.add_parser("select")
     s.add_argument("--model", default="122B", choices=sorted(MODELS))
     s.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    res = write(args.models.split(","), args.dir) if args.cmd == "write" else select(args.model)
+    if args.cmd == "write":
+        res = write(args.models.split(","), [int(v) for v in args.tp.split(",")], args.dir)
+    else:
+        res = select(args.model)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

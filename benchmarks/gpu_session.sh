@@ -95,8 +95,8 @@ json.dump(t, open(sys.argv[1], 'w'))" "$table"
 stage_flatables() {  # fla-core's configs for this GPU (fla_tables.py): autotuned and stored, then cold self-tests without / with
   local key
   key=$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))")
-  TRITON_CACHE_DIR=$(mktemp -d) run flawrite 300 python3 benchmarks/fla_tables.py write --models 122B,35B \
-    --json "$OUT/flawrite.json"
+  TRITON_CACHE_DIR=$(mktemp -d) run flawrite 480 python3 benchmarks/fla_tables.py write --models 122B,35B \
+    --tp "${FLA_TP:-1,2,4,8}" --json "$OUT/flawrite.json"
   mkdir -p "$OUT/fla_tables" && cp -r "nibble/kernels/tuning/fla/$key" "$OUT/fla_tables/"
   FLA_CACHE_MODE=disabled TRITON_CACHE_DIR=$(mktemp -d) run flaselect_off 240 python3 benchmarks/fla_tables.py select \
     --model 122B --json "$OUT/flaselect_off.json"
