@@ -55,6 +55,7 @@ stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode pr
   # the entries go into this GPU's own table in this checkout, for the stages after this one (densee2e)
   run densetable 30 python3 benchmarks/install_tuning_entries.py dense_linear "$OUT/dense_table.json"
 }
+gpu_key() { python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))"; }  # tables' name
 decode_latency() {  # decode_latency NAME LIMIT_S MODEL [FLAGS...]: decode steps at batch 1, 4, 8 after 1024-token prompts
   local name=$1 limit=$2 model=$3; shift 3
   run "$name" "$limit" python3 -m nibble.cli bench latency --model "$M/$model" --load-format dummy \
@@ -78,7 +79,7 @@ stage_densepdl() {  # decode steps with the dense GEMV launched with PDL (defaul
   local model=Qwen3.5-35B-A3B-NVFP4 table
   python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
     && model=Qwen3.5-122B-A10B-NVFP4
-  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  table=nibble/kernels/tuning/$(gpu_key).json
   cp "$table" /tmp/table_backup.json
   for v in on off on2; do
     cp /tmp/table_backup.json "$table"
@@ -94,7 +95,7 @@ json.dump(t, open(sys.argv[1], 'w'))" "$table"
 }
 stage_flatables() {  # fla-core's configs for this GPU (fla_tables.py): autotuned and stored, then cold self-tests without / with
   local key
-  key=$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))")
+  key=$(gpu_key)
   TRITON_CACHE_DIR=$(mktemp -d) run flawrite 480 python3 benchmarks/fla_tables.py write --models 122B,35B \
     --tp "${FLA_TP:-1,2,4,8}" --json "$OUT/flawrite.json"
   mkdir -p "$OUT/fla_tables" && cp -r "nibble/kernels/tuning/fla/$key" "$OUT/fla_tables/"
@@ -214,7 +215,7 @@ stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mo
 }
 stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
   local table
-  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  table=nibble/kernels/tuning/$(gpu_key).json
   cp "$table" /tmp/table_backup.json
   decode_latency moebte2e_on 120 Qwen3.5-35B-A3B-NVFP4
   python3 -c "
@@ -227,7 +228,7 @@ json.dump(t, open(sys.argv[1], 'w'))" "$table"
 }
 stage_moedne2e() {  # 35B decode steps: the table, with the one-token top-k sum by a separate reduce launch, the table again
   local table v
-  table=nibble/kernels/tuning/$(python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))").json
+  table=nibble/kernels/tuning/$(gpu_key).json
   cp "$table" /tmp/table_backup.json
   for v in on reduce on2; do
     cp /tmp/table_backup.json "$table"

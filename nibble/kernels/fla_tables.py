@@ -54,11 +54,8 @@ def fla_table_candidates(key: str, cap: tuple[int, int] | None) -> list[tuple[st
     best first: its own, its capability's sibling's (`by_capability.json`), other GPUs of that capability."""
     index = _index(FLA_TABLE_DIR)
     same_cap = sorted(n for n, meta in index.items() if cap is not None and meta.get("capability") == _cap_str(cap))
-    out: list[tuple[str, dict[str, str]]] = []
-    for name in (key, capability_table(cap), *same_cap):
-        if name and name in index and name not in dict(out) and any((FLA_TABLE_DIR / name).glob("*.json")):
-            out.append((name, index[name]))
-    return out
+    return [(name, index[name]) for name in dict.fromkeys((key, capability_table(cap), *same_cap))
+            if name and name in index and any((FLA_TABLE_DIR / name).glob("*.json"))]
 
 
 def _minor(version: str | None) -> tuple[str, ...]:
