@@ -9,17 +9,18 @@ Two paths, picked per call from the token count and pairs per expert (tuning tab
   more the `lg_*` one (quad-4 for the first, split-16 for the second on the H200: one decode of an expert's
   weights for up to 16 tokens, where quad-4 decodes them once per 4): one alignment launch for both, two
   launches per GEMM.
-NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down
-with the routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one
-small extra launch; "fused" = done by the down kernel's last program per token and slice, `gemv` path only;
-"token" = a per-token down kernel that loops over the k experts). `xmode` picks how the activations meet
-the weights' stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per
-block of the sorted path (and in quad mode of the `gemv` path, whose one pair per program fills slot 0: up to
-4, fewer slots make narrower MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
-fp16 (fp4_tiles.py, DEC 3; DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense
-experts run the older per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which
-`generic_gemv` / `generic_sorted` also select for NVFP4 (the pre-moe_w4 baseline, kept for comparison).
-Very large batches run in token chunks to bound the [pairs, H] intermediate.
+NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down with the
+routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one small extra launch;
+"fused" = done by the down kernel's last program per token and slice, `gemv` path only; "token" = a per-token down
+kernel that loops over the k experts; "slice", `gemv` path only: gate_up and down in one launch, each program a pair's
+feature slice and that slice's share of down, moe_w4_slices.py). `xmode` picks how the activations meet the weights'
+stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per block of the sorted path
+(and in quad mode of the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer slots make narrower
+MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in fp16 (fp4_tiles.py, DEC 3;
+DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense experts run the older per-pair GEMV
+(moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4
+(the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
+intermediate.
 
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.26 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
@@ -57,6 +58,7 @@ from nibble.kernels.moe_w4 import (
     moe_w4_gate_up_kernel,
     stage_x,
 )
+from nibble.kernels.moe_w4_slices import moe_slice_reduce_kernel, moe_w4_slice_kernel
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
@@ -198,12 +200,16 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
+        mode = cfg["dn_mode"]
+        if mode == "slice":
+            _slices(xs, tw, flat, out, top_k, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
+                    gu_pf, dn_pf, base, min(max(int(cfg["block_t"]), 1), 4))
+            return
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
             **_pdl_launch(pdl and staged), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
-        mode = cfg["dn_mode"]
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
@@ -269,6 +275,34 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
+
+
+def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.Tensor, top_k: int, w13: tuple,
+            w2: tuple, dec: int, xsh: int, pdl_wait: bool, pdl: bool, gu_pf: bool, dn_pf: bool, tile: dict[str, Any],
+            slots: int) -> None:
+    """`dn_mode` "slice" on the pairs path (moe_w4_slices.py): one program per (pair, `gu_block_n` features)
+    computes gate_up and that slice's share of down, a reduce launch sums the shares. Quad mode; `gu_*` fields
+    set the program's warps, gate_up's K step and stages, `dn_block_n` / `dn_stages` down's row step."""
+    t, h = xs.shape
+    inter = w2[0].shape[2] * 4
+    bi = tile["gbn"]
+    if bi < 64 and not interpreting():
+        raise ValueError(f"fused_moe: dn_mode 'slice' needs gu_block_n >= 64 on the GPU (MMA K), got {bi}")
+    (u13, s13, g13), (u2, s2, g2) = w13, w2
+    num_slices = cdiv(inter, bi)
+    part = torch.empty((t * top_k * num_slices, h), dtype=torch.float32, device=xs.device)
+    moe_w4_slice_kernel[(t * top_k, num_slices)](
+        xs, u13, s13, g13, u2, s2, g2, part, tw, flat, top_k, h, inter, xs.stride(0), u13.stride(0), u13.stride(1),
+        s13.stride(0), s13.stride(1), u2.stride(0), u2.stride(1), s2.stride(0), s2.stride(1), part.stride(0),
+        ACT_PAIRS=dec == 4, DEC=dec, EVEN_H=h % tile["gbk"] == 0, EVEN_I=inter % bi == 0, SLOTS=slots, BLOCK_I=bi,
+        BLOCK_K=tile["gbk"], BLOCK_H=tile["dbn"], DN_STAGES=tile["d_stages"], X_SHIFT=xsh, GU_PREFETCH=gu_pf,
+        DN_PREFETCH=dn_pf, PDL_TRIGGER=pdl, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
+        **_pdl_launch(pdl_wait))
+    rows = triton.next_power_of_2(top_k * num_slices)
+    block = max(16, min(128, 4096 // rows))
+    moe_slice_reduce_kernel[(t, cdiv(h, block))](part, out, flat, h, part.stride(0), out.stride(0), TOP_K=top_k,
+                                                 NUM_SLICES=num_slices, ROWS=rows, BLOCK=block, num_warps=4,
+                                                 **_pdl_launch(pdl))
 
 
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:

@@ -88,6 +88,16 @@ def _prefetch_expert_rows(q_ptr, s_ptr, e, first_row, num_rows, stride_qe, strid
 
 
 @triton.jit
+def prefetch_gate_up_rows(q_ptr, s_ptr, e, inter, hidden, stride_qe, stride_qn, stride_se, stride_sn,
+                          BLOCK_N: tl.constexpr):
+    """Ask for the gate and up rows of feature slice program_id(1) of expert e in L2."""
+    n0 = tl.program_id(1) * BLOCK_N
+    num = tl.minimum(inter - n0, BLOCK_N)
+    _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
+    _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
+
+
+@triton.jit
 def _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, n_k, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, STACKED: tl.constexpr):
     """A K step's weight tile: units [ROWS, BLOCK_K/4] and scales [ROWS, BLOCK_K/16] (`w4_tile`), by pointers
@@ -145,18 +155,36 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     wait); PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a stacked descriptor
     of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
-    NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
-            n0 = tl.program_id(1) * BLOCK_N
-            num = tl.minimum(inter - n0, BLOCK_N)
-            _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
-            _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn,
-                                  hidden)
+            prefetch_gate_up_rows(q_ptr, s_ptr, e, inter, hidden, stride_qe, stride_qn, stride_se, stride_sn,
+                                  BLOCK_N)
     pdl_handoff(PDL_TRIGGER, PDL_WAIT)
     if e < 0:
         return
+    act, pr, ok = gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k, hidden, inter,
+                                stride_xt, stride_qe, stride_qn, stride_se, stride_sn, SORTED, XMODE, ACT_PAIRS, DEC,
+                                EVEN_K, SLOTS, BLOCK_N, BLOCK_K, X_SHIFT, q_desc, s_desc, TMA)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACT_PAIRS and TMA:
+        n = pairs_col(n)
+    tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
+             act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
+
+
+@triton.jit
+def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k, hidden, inter, stride_xt,
+                  stride_qe, stride_qn, stride_se, stride_sn, SORTED: tl.constexpr, XMODE: tl.constexpr,
+                  ACT_PAIRS: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr, q_desc, s_desc,
+                  TMA: tl.constexpr):
+    """(act fp32 [BLOCK_N, SLOTS], pr [SLOTS], ok [SLOTS]): silu(gate) * up of feature slice program_id(1)
+    for the block (e >= 0, pair, valid from `_block`), times 2^-X_SHIFT and clamped to the fp16 range when
+    X_SHIFT; the epilogue's pairs from `_out_pairs`. With ACT_PAIRS and no TMA, row i holds feature
+    pairs_col(n0 + i), so stored in column n0 + i it lands where DEC 4 wants it (`moe_w4_gate_up_kernel`)."""
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
+    NCOL: tl.constexpr = SLOTS * REP
     e64 = e.to(tl.int64)
     # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
     r = tl.arange(0, 2 * BLOCK_N)
@@ -189,11 +217,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     act = hg * tl.sigmoid(hg) * hu
     if X_SHIFT != 0:
         act = _f16_range(act * (1.0 / (1 << X_SHIFT)))
-    n = n0 + tl.arange(0, BLOCK_N)
-    if ACT_PAIRS and TMA:
-        n = pairs_col(n)
-    tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
-             act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
+    return act, pr, ok
 
 
 @triton.jit

@@ -160,7 +160,8 @@ def main() -> int:
         dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
-                 {"xmode": "perm", "block_t": 64}]
+                 {"xmode": "perm", "block_t": 64},
+                 {"dn_mode": "slice", "gu_block_n": 64, "gu_warps": 4, "dn_block_n": 64, "block_t": 2}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):

@@ -518,6 +518,50 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
                 assert torch.equal(outs[i], p), (path, cfg, i, "graph")
 
 
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fused_moe_slice_mode(name: str) -> None:
+    """dn_mode "slice" (gate_up and down of a feature slice in one launch, moe_w4_slices.py) on the real layer
+    shapes at 1-4 tokens: the reference result with expert id -1 slots and a token routed nowhere, the same
+    bits for PDL / prefetch on and off, eagerly and replayed from a CUDA graph on new inputs (a misplaced wait
+    would read the previous call's activations), and for repeated calls (the fixed-order reduce)."""
+    c = config(name)
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    base = {"path": "gemv", "dn_mode": "slice", "gu_block_n": 64, "gu_warps": 4, "dn_block_n": 64}
+    for t in (1, 2, 4):
+        calls = []
+        for i in range(3):
+            w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+            ids[0, i % k] = -1
+            if t > 1 and i == 1:
+                ids[t - 1, :] = -1
+            calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
+        for slots in (1, 2, 4):
+            plain = [fused_moe_launch(*a, experts, config={**base, "block_t": slots, "pdl": False}) for a in calls]
+            for (x, w, ids), p in zip(calls, plain):
+                err = rel(p, fused_moe_ref(x.float(), w, ids, experts))
+                assert err < TOL, (t, slots, err)
+            if t > 1:
+                assert float(plain[1][t - 1].float().abs().max()) == 0.0
+            cfg = {**base, "block_t": slots, "pdl": True, "gu_prefetch": True, "dn_prefetch": True}
+            eager = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
+            again = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
+            outs: list[torch.Tensor] = []
+
+            def all_calls(cfg: dict = cfg, outs: list = outs, calls: list = calls) -> None:
+                outs[:] = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
+
+            g = capture_graph(all_calls)
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            for i, p in enumerate(plain):
+                assert torch.equal(eager[i], p), (t, slots, i, "eager")
+                assert torch.equal(again[i], p), (t, slots, i, "again")
+                assert torch.equal(outs[i], p), (t, slots, i, "graph")
+
+
 @pytest.mark.parametrize("name", ["122B", "397B"])
 @pytest.mark.parametrize("t", [1, 6, 64, 300])
 def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:
