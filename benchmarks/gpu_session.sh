@@ -221,8 +221,9 @@ stage_moeslice() {  # 1-4 tokens: gate_up and down per feature slice in one laun
       --variant 'bt2={"block_t": 2}' \
       --variant "sl4={$sl, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 4}" \
       --variant "sl4b2={$sl, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2}" \
-      --variant "sl4b2d128={$sl, \"gu_warps\": 4, \"dn_block_n\": 128, \"block_t\": 2}" \
-      --variant "sl8={$sl, \"gu_warps\": 8, \"dn_block_n\": 256, \"block_t\": 4}" \
+      --variant "sl8b2d512={$sl, \"gu_warps\": 8, \"dn_block_n\": 512, \"block_t\": 2}" \
+      --variant "sl4b1={$sl, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 1}" \
+      --variant "sl8b2={$sl, \"gu_warps\": 8, \"dn_block_n\": 256, \"block_t\": 2}" \
       --variant "sl4b2pf={$sl, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2, \"gu_prefetch\": true, \"dn_prefetch\": true}" \
       --out "$OUT/moeslice$v.json"
   done

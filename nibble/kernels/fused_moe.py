@@ -292,17 +292,17 @@ def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.T
     num_slices = cdiv(inter, bi)
     part = torch.empty((t * top_k * num_slices, h), dtype=torch.float32, device=xs.device)
     moe_w4_slice_kernel[(t * top_k, num_slices)](
-        xs, u13, s13, g13, u2, s2, g2, part, tw, flat, top_k, h, inter, xs.stride(0), u13.stride(0), u13.stride(1),
+        xs, u13, s13, g13, u2, s2, part, flat, top_k, h, inter, xs.stride(0), u13.stride(0), u13.stride(1),
         s13.stride(0), s13.stride(1), u2.stride(0), u2.stride(1), s2.stride(0), s2.stride(1), part.stride(0),
         ACT_PAIRS=dec == 4, DEC=dec, EVEN_H=h % tile["gbk"] == 0, EVEN_I=inter % bi == 0, SLOTS=slots, BLOCK_I=bi,
         BLOCK_K=tile["gbk"], BLOCK_H=tile["dbn"], DN_STAGES=tile["d_stages"], X_SHIFT=xsh, GU_PREFETCH=gu_pf,
         DN_PREFETCH=dn_pf, PDL_TRIGGER=pdl, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
         **_pdl_launch(pdl_wait))
-    rows = triton.next_power_of_2(top_k * num_slices)
-    block = max(16, min(128, 4096 // rows))
-    moe_slice_reduce_kernel[(t, cdiv(h, block))](part, out, flat, h, part.stride(0), out.stride(0), TOP_K=top_k,
-                                                 NUM_SLICES=num_slices, ROWS=rows, BLOCK=block, num_warps=4,
-                                                 **_pdl_launch(pdl))
+    slices_p2 = triton.next_power_of_2(num_slices)
+    block = max(16, min(256, 2048 // slices_p2))
+    moe_slice_reduce_kernel[(t, cdiv(h, block))](part, g2, tw, flat, out, h, part.stride(0), out.stride(0),
+                                                 TOP_K=top_k, NUM_SLICES=num_slices, SLICES_P2=slices_p2, DEC=dec,
+                                                 X_SHIFT=xsh, BLOCK=block, num_warps=4, **_pdl_launch(pdl))
 
 
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:

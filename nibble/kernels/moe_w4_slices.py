@@ -4,11 +4,13 @@ On the pairs path (`fused_moe`, 1-7 tokens) gate_up and down are two launches, a
 every gate_up program: at one token the layer costs the latency of two short, dependent kernels rather than its
 bytes. Here (tuning field `dn_mode` "slice") a program owns one (token, expert) pair and one slice of BLOCK_I
 intermediate features. It computes the slice's silu(gate) * up (`moe_w4.gate_up_slice`), keeps it in registers
-as the quad-mode MMA operand, and multiplies it by the same BLOCK_I columns of w2 for all H rows: the down
-product restricted to K = its slice. No program waits for another. `moe_slice_reduce_kernel` then sums the
-k * I / BLOCK_I partial rows of each token in a fixed order (deterministic). The price: fp32 partials of
-pairs * I / BLOCK_I * H * 4 bytes (1.5 MB for one token of the 122B-A10B layer, written and read in L2), and
-w2 read in rows of BLOCK_I / 2 bytes. BLOCK_I is at least 64 on the GPU (the MMA's K of 16 per K slice).
+as the MMA's B operand (each of `fp4_decode4`'s four K slices in column 0 of its own 8-column tile, so the four
+MMAs of a down step chain into one accumulator), and multiplies it by the same BLOCK_I columns of w2 for all H
+rows: the down product restricted to K = its slice. No program waits for another. `moe_slice_reduce_kernel`
+then sums the k * I / BLOCK_I partial rows of each token in a fixed order (deterministic) and applies w2's
+global scales and the routing weights. The price: fp32 partials of pairs * I / BLOCK_I * H * 4 bytes (1.5 MB
+for one token of the 122B-A10B layer, written and read in L2), and w2 read in rows of BLOCK_I / 2 bytes.
+BLOCK_I is at least 64 on the GPU (the MMA's K of 16 per K slice).
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ from nibble.kernels.pdl import pdl_handoff
 
 
 @triton.jit
-def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, g2_ptr, part_ptr, topk_w_ptr, ids_ptr,
-                        top_k, hidden, inter, stride_xt, stride_q13e, stride_q13n, stride_s13e, stride_s13n,
-                        stride_q2e, stride_q2n, stride_s2e, stride_s2n, stride_pt, ACT_PAIRS: tl.constexpr,
-                        DEC: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, SLOTS: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                        DN_STAGES: tl.constexpr, X_SHIFT: tl.constexpr = 0, GU_PREFETCH: tl.constexpr = False,
+def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, part_ptr, ids_ptr, top_k, hidden, inter,
+                        stride_xt, stride_q13e, stride_q13n, stride_s13e, stride_s13n, stride_q2e, stride_q2n,
+                        stride_s2e, stride_s2n, stride_pt, ACT_PAIRS: tl.constexpr, DEC: tl.constexpr,
+                        EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, DN_STAGES: tl.constexpr,
+                        X_SHIFT: tl.constexpr = 0, GU_PREFETCH: tl.constexpr = False,
                         DN_PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
                         PDL_TRIGGER: tl.constexpr = False):
-    """part[p * S + s, n] = topk_w[p] * sum_{i in slice s} w2[e, n, i] * act[p, i] for pair p = program_id(0),
-    slice s = program_id(1) of S, e = ids[p] (nothing written for e < 0). x: [T, H] as `moe_w4_gate_up_kernel`
-    reads it (x_ptr's dtype is the MMA's: fp16 staged * 2^-X_SHIFT for DEC 3/4); w13 / w2 as units, e4m3 scale
-    bytes and fp32 global scales (`moe_w4_gate_up_kernel`, `moe_w4_down_kernel`); part: fp32 [pairs * S, H].
+    """part[p * S + s, n] = sum_{i in slice s} w2[e, n, i] * act[p, i] for pair p = program_id(0), slice
+    s = program_id(1) of S, e = ids[p] (nothing written for e < 0), w2 with its block scales but without its
+    global scale and the decode's factor (`fp4_acc_scale`), which the reduce applies with the routing weight.
+    x: [T, H] as `moe_w4_gate_up_kernel` reads it (x_ptr's dtype is the MMA's: fp16 staged * 2^-X_SHIFT for
+    DEC 3/4); w13 as units, e4m3 scale bytes and fp32 global scales, w2 as units and scale bytes
+    (`moe_w4_gate_up_kernel`, `moe_w4_down_kernel`); part: fp32 [pairs * S, H].
     EVEN_H: H % BLOCK_K == 0; EVEN_I: I % BLOCK_I == 0. GU_PREFETCH / DN_PREFETCH: first ask for the slice's
     gate and up rows / this program's 1/S share of the expert's w2 rows (all S share it) in L2. PDL_WAIT:
     launched with PDL after `stage_x`; PDL_TRIGGER: the reduce is."""
@@ -68,7 +72,6 @@ def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, g2_ptr
     b3 = tl.where(col == 0, tl.trans(a3), 0.0)
     p = tl.program_id(0).to(tl.int64)
     e64 = e.to(tl.int64)
-    coef = fp4_acc_scale(DEC, X_SHIFT) * tl.load(topk_w_ptr + p)
     q_base = q2_ptr + e64 * stride_q2e
     s_base = s2_ptr + e64 * stride_s2e
     out_row = part_ptr + (p * tl.num_programs(1) + s_idx) * stride_pt
@@ -81,24 +84,33 @@ def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, g2_ptr
         acc = w4_dot(w1, b1, acc, DEC)
         acc = w4_dot(w2, b2, acc, DEC)
         acc = w4_dot(w3, b3, acc, DEC)
-        y = acc * (tl.load(g2_ptr + e64 * hidden + nc) * coef)[:, None]
         # column 0 straight from the accumulator's layout: no shuffle or shared-memory round trip per step
-        tl.store(out_row + n[:, None] + col * 0, y, mask=(n < hidden)[:, None] & (col == 0))
+        tl.store(out_row + n[:, None] + col * 0, acc, mask=(n < hidden)[:, None] & (col == 0))
 
 
 @triton.jit
-def moe_slice_reduce_kernel(part_ptr, out_ptr, ids_ptr, hidden, stride_pt, stride_ot, TOP_K: tl.constexpr,
-                            NUM_SLICES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+def moe_slice_reduce_kernel(part_ptr, g2_ptr, topk_w_ptr, ids_ptr, out_ptr, hidden, stride_pt, stride_ot,
+                            TOP_K: tl.constexpr, NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr,
+                            DEC: tl.constexpr, X_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
                             PDL_WAIT: tl.constexpr = False):
-    """out[t, n] = sum over the TOP_K * NUM_SLICES partial rows of token t (`moe_w4_slice_kernel`) whose pair's
-    expert id is >= 0 (the others are never written), in fp32, in one fixed order; ROWS: TOP_K * NUM_SLICES
-    rounded up to a power of two. PDL_WAIT: launched with PDL after the slice kernel."""
+    """out[t, n] = sum_j topk_w[t, j] * g2[e_j, n] * (sum_s part[(t * TOP_K + j) * NUM_SLICES + s, n]) times
+    `fp4_acc_scale`, over the pairs j whose expert id e_j is >= 0 (the others' rows are never written), in fp32
+    and in one fixed order (`moe_w4_slice_kernel`). g2: fp32 [E, H]; SLICES_P2: NUM_SLICES rounded up to a
+    power of two. PDL_WAIT: launched with PDL after the slice kernel."""
     pdl_handoff(False, PDL_WAIT)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    r = tl.arange(0, ROWS)
-    real = r < TOP_K * NUM_SLICES
-    live = real & (tl.load(ids_ptr + t * TOP_K + r // NUM_SLICES, mask=real, other=-1) >= 0)
-    v = tl.load(part_ptr + (t * (TOP_K * NUM_SLICES) + r)[:, None] * stride_pt + n[None, :],
-                mask=live[:, None] & (n < hidden)[None, :], other=0.0)
-    tl.store(out_ptr + t * stride_ot + n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n < hidden)
+    nmask = n < hidden
+    sl = tl.arange(0, SLICES_P2)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair)
+        if e >= 0:
+            rows = pair * NUM_SLICES + sl
+            v = tl.load(part_ptr + rows[:, None] * stride_pt + n[None, :],
+                        mask=(sl < NUM_SLICES)[:, None] & nmask[None, :], other=0.0)
+            g = tl.load(g2_ptr + e.to(tl.int64) * hidden + n, mask=nmask, other=0.0)
+            acc += tl.sum(v, axis=0) * g * tl.load(topk_w_ptr + pair)
+    out = acc * fp4_acc_scale(DEC, X_SHIFT)
+    tl.store(out_ptr + t * stride_ot + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
