@@ -104,14 +104,14 @@ def dense_gemv_tile(w_ptr, rows, nmask, x_ptr, k0, n_k, stride_wn, BLOCK_K: tl.c
 # On sm_89+ DEC 3 leaves most of the work to the hardware e4m3 -> f16x2 converter (`_decode_cvt_asm`): a
 # byte permute and shift+mask turn each code into an e4m3 byte, one conversion decodes two: about 2 ops per
 # weight including the scale multiply. The MMA then runs in fp16, so bf16 activations are staged as
-# fp16 * 2^-F16_X_SHIFT (`moe_w4.stage_x`): finite up to ~1e6 (beyond, they saturate), 11 significant bits
+# fp16 * 2^-F16_X_SHIFT (`w4_stage.stage_x`): finite up to ~1e6 (beyond, they saturate), 11 significant bits
 # from 2^-10 up (bf16 has 8), an absolute resolution of 2^-20 below.
 #
 # DEC 4 is DEC 3 without the byte permute (`_decode_cvt_asm(permute=False)`), one instruction fewer per 8
 # weights: a register pair of output t then holds codes 2 apart within one unit, so element u of output t is
-# code 8 (u // 2) + pairs_col(4 (u % 2) + t) of the row instead of code 4u + t, `moe_w4.pairs_col` swapping
+# code 8 (u // 2) + pairs_col(4 (u % 2) + t) of the row instead of code 4u + t, `w4_stage.pairs_col` swapping
 # bits 1 and 2 of the position within each group of 8 (an involution). Any K order of the dot works as long as the
-# activations follow it: they are staged with that swap (`moe_w4.stage_x` PAIRS, and gate_up writes act
+# activations follow it: they are staged with that swap (`w4_stage.stage_x` PAIRS, and gate_up writes act
 # the same way), and then quad and split mode read them exactly as for DEC 3.
 
 

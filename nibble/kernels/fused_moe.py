@@ -56,12 +56,12 @@ from nibble.kernels.moe_w4 import (
     moe_w4_down_kernel,
     moe_w4_down_token_kernel,
     moe_w4_gate_up_kernel,
-    stage_x,
 )
 from nibble.kernels.moe_w4_slices import moe_slice_reduce_kernel, moe_w4_slice_kernel
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
+from nibble.kernels.w4_stage import stage_x
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

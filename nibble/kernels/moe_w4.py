@@ -34,11 +34,10 @@ looping over the token's k experts in one flattened, pipelined loop, writing the
 
 from __future__ import annotations
 
-import torch
-
-from nibble.kernels._triton import cdiv, tl, triton
+from nibble.kernels._triton import tl, triton
 from nibble.kernels.fp4_tiles import fp4_acc_scale, w4_finish, w4_k_step, w4_scale_tile, w4_tile
 from nibble.kernels.pdl import pdl_handoff, prefetch_rows
+from nibble.kernels.w4_stage import f16_range, pairs_col
 
 QUAD, PERM, SPLIT = 0, 1, 2
 XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
@@ -120,12 +119,6 @@ def _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, n_k, ROWS: tl.conste
         return q, s
     else:
         return w4_tile(q_rows, s_rows, k0, n_k, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def pairs_col(k):
-    """Column of element k in an activation row staged for DEC 4 (fp4_tiles.py): bits 1 and 2 swapped."""
-    return (k & ~6) | ((k & 2) << 1) | ((k & 4) >> 1)
 
 
 @triton.jit
@@ -216,7 +209,7 @@ def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k,
     hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
     if X_SHIFT != 0:
-        act = _f16_range(act * (1.0 / (1 << X_SHIFT)))
+        act = f16_range(act * (1.0 / (1 << X_SHIFT)))
     return act, pr, ok
 
 
@@ -354,55 +347,3 @@ def moe_w4_down_token_kernel(act_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, top
         acc3 = tl.where(last, 0.0, acc3)
     out = tl.sum(total, axis=1)  # only columns 0..3 (token slot 0) are non-zero
     tl.store(out_ptr + t * stride_ot + n, out.to(out_ptr.dtype.element_ty), mask=n < hidden)
-
-
-@triton.jit
-def _f16_range(v):
-    """Clamp to the finite fp16 range (staged activations saturate instead of turning into inf)."""
-    return tl.minimum(tl.maximum(v, -65504.0), 65504.0)
-
-
-@triton.jit
-def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.constexpr, PERMUTE: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PAIRS: tl.constexpr = False):
-    """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
-    order of `fp4_decode4`, PERM mode), c(k) = `pairs_col`(k) with PAIRS (DEC 4), else c(k) = k.
-    PDL_TRIGGER: gate_up is launched with PDL."""
-    pdl_handoff(PDL_TRIGGER, False)
-    m = tl.program_id(0).to(tl.int64)
-    u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    t = tl.arange(0, 4)
-    mask = (u < n_k // 4)[:, None]
-    v = tl.load(x_ptr + m * stride_xt + 4 * u[:, None] + t[None, :], mask=mask)
-    if X_SHIFT != 0:
-        v = _f16_range(v.to(tl.float32) * (1.0 / (1 << X_SHIFT)))
-    if PERMUTE:
-        col = t[None, :] * (n_k // 4) + u[:, None]
-    elif PAIRS:
-        col = pairs_col(4 * u[:, None] + t[None, :])
-    else:
-        col = 4 * u[:, None] + t[None, :]
-    tl.store(out_ptr + m * stride_ot + col, v.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
-            out: torch.Tensor | None = None, pdl_trigger: bool = False, pairs: bool = False) -> torch.Tensor:
-    """x [T, K] -> [T, K] of `dtype` (`out` if given, else new) holding x * 2^-x_shift, columns in
-    `fp4_decode4`'s slice order if permute (K a multiple of 4), or in DEC 4's order if pairs (K a multiple
-    of 8). pdl_trigger: the next kernel is launched with PDL (sm_90+ only)."""
-    t, k = x.shape
-    if k % 4 or (pairs and k % 8):
-        raise ValueError(f"stage_x: K = {k} is not a multiple of {8 if pairs else 4}")
-    if permute and pairs:
-        raise ValueError("stage_x: permute and pairs are two different orders")
-    if out is None:
-        out = torch.empty((t, k), dtype=dtype, device=x.device)
-    elif out.shape != (t, k) or out.dtype != dtype or out.stride(1) != 1:
-        raise ValueError(f"stage_x: out must be {dtype} [{t}, {k}] with contiguous rows, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if t:
-        block = 256
-        stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
-                                                 PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger, PAIRS=pairs,
-                                                 num_warps=4)
-    return out

@@ -31,8 +31,9 @@ from nibble.kernels.fp4_tiles import (
     w4_tile,
     x_even_odd,
 )
-from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES, stage_x
+from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES
 from nibble.kernels.tuning_tables import lookup
+from nibble.kernels.w4_stage import stage_x
 
 
 def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:

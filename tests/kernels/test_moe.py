@@ -14,8 +14,8 @@ from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
-from nibble.kernels.moe_w4 import stage_x
 from nibble.kernels.tma import w4_descriptors
+from nibble.kernels.w4_stage import stage_x
 
 E, H, I, K = 6, 64, 48, 3
 # the mixed sorted path: experts with up to 2 pairs in quad-4 blocks, the others in split-16 blocks
