@@ -64,6 +64,7 @@ from nibble.kernels.tuning_tables import lookup
 from nibble.kernels.w4_stage import stage_x
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DN_MODES = ("reduce", "fused", "token", "slice")  # the pairs path's down + top-k sum (module docstring)
 
 
 def _weight_args(w: torch.Tensor | NVFP4Tensor, n: int, k: int, num_experts: int, name: str
@@ -191,6 +192,9 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     if path == "gemv":
         # one pair per block: token slot 0 of 16 in split mode, of `block_t` (at most 4) in quad mode (perm needs a
         # sort anyway); Triton pads an MMA narrower than 8 columns, so 1 or 2 slots halve the MMA's columns
+        mode = cfg["dn_mode"]
+        if mode not in DN_MODES:
+            raise ValueError(f"fused_moe: tuning field dn_mode {mode!r} is not one of {DN_MODES}")
         gbn, gbk, dbn, dbk = base["gbn"], base["gbk"], base["dbn"], base["dbk"]
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
@@ -200,7 +204,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
-        mode = cfg["dn_mode"]
         if mode == "slice":
             _slices(xs, tw, flat, out, top_k, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
                     gu_pf, dn_pf, base, min(max(int(cfg["block_t"]), 1), 4))

@@ -229,6 +229,9 @@ def test_fused_moe_rejects_bad_shapes() -> None:
         fused_moe_launch(torch.randn(2, H + 16), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts)
     with pytest.raises(ValueError):
         fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int64), experts)
+    with pytest.raises(ValueError, match="dn_mode 'slices'"):
+        fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts,
+                         path="gemv", config={"dn_mode": "slices"})
 
 
 @pytest.mark.parametrize("order", ["natural", "permute", "pairs"])
