@@ -7,6 +7,7 @@ import json
 import pytest
 
 from nibble.kernels import tuning_tables
+from nibble.kernels.fused_moe import DN_MODES
 from nibble.kernels.tuning_tables import TUNING_DIR, lookup
 
 # the fields of each op's lookup key, as its wrapper builds it (fused_moe.py, nvfp4_linear.py, paged_attention.py)
@@ -30,6 +31,7 @@ def test_device_tables_override_known_fields() -> None:
             known = set().union(*(e["config"] for e in default[op]))
             for e in entries:
                 assert set(e["config"]) <= known, (path.name, op, set(e["config"]) - known)
+                assert e["config"].get("dn_mode", "reduce") in DN_MODES, (path.name, op, e["config"]["dn_mode"])
         for op, entries in default.items():
             fields = [set(e["config"]) for e in entries]
             assert all(f == fields[0] for f in fields), op
