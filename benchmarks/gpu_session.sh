@@ -228,6 +228,24 @@ stage_moeslice() {  # 1-4 tokens: gate_up and down per feature slice in one laun
       --out "$OUT/moeslice$v.json"
   done
 }
+stage_slicee2e() {  # decode steps with the table, then with dn_mode "slice" at one token (SLICE_CFG: its tuning fields as JSON), then the table again; 122B where it fits, else 35B
+  local table model=Qwen3.5-122B-A10B-NVFP4 v
+  table=nibble/kernels/tuning/$(gpu_key).json
+  python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100e9)" || model=Qwen3.5-35B-A3B-NVFP4
+  cp "$table" /tmp/table_backup.json
+  for v in on slice on2; do
+    cp /tmp/table_backup.json "$table"
+    [ "$v" = slice ] && python3 -c "
+import json, os, sys
+t = json.load(open(sys.argv[1]))
+cfg = {'path': 'gemv', 'dn_mode': 'slice', 'gu_block_n': 64, 'gu_warps': 4, 'gu_stages': 4, 'dn_block_n': 256,
+       'dn_stages': 3, 'block_t': 2, **json.loads(os.environ.get('SLICE_CFG', '{}'))}
+t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 1}, 'config': cfg})
+json.dump(t, open(sys.argv[1], 'w'))" "$table"
+    decode_latency "slicee2e_$v" 200 "$model"
+  done
+  cp /tmp/table_backup.json "$table"
+}
 stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
   local table
   table=nibble/kernels/tuning/$(gpu_key).json
