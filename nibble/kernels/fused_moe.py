@@ -289,8 +289,8 @@ def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.T
     t, h = xs.shape
     inter = w2[0].shape[2] * 4
     bi = tile["gbn"]
-    if bi < 64 and not interpreting():
-        raise ValueError(f"fused_moe: dn_mode 'slice' needs gu_block_n >= 64 on the GPU (MMA K), got {bi}")
+    if bi < 16 and not interpreting():
+        raise ValueError(f"fused_moe: dn_mode 'slice' needs gu_block_n >= 16 on the GPU (MMA K), got {bi}")
     (u13, s13, g13), (u2, s2, g2) = w13, w2
     num_slices = cdiv(inter, bi)
     part = torch.empty((t * top_k * num_slices, h), dtype=torch.float32, device=xs.device)

@@ -10,7 +10,9 @@ rows: the down product restricted to K = its slice. No program waits for another
 then sums the k * I / BLOCK_I partial rows of each token in a fixed order (deterministic) and applies w2's
 global scales and the routing weights. The price: fp32 partials of pairs * I / BLOCK_I * H * 4 bytes (1.5 MB
 for one token of the 122B-A10B layer, written and read in L2), and w2 read in rows of BLOCK_I / 2 bytes.
-BLOCK_I is at least 64 on the GPU (the MMA's K of 16 per K slice).
+BLOCK_I is at least 16 on the GPU (the MMA's K); below 64 a K slice is too short for an MMA of its own, so the
+four are joined into one operand (its layout conversion costs shared-memory traffic: 4.0 instructions per w2
+weight at BLOCK_I 32 against 2.8 at 64, offline sm_90 SASS), for twice the programs per token.
 """
 
 from __future__ import annotations
@@ -55,21 +57,28 @@ def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, part_p
     if e < 0:
         return
     act, _, _ = gate_up_slice(x_ptr, q13_ptr, s13_ptr, g13_ptr, ids_ptr, e, pair, valid, top_k, hidden, inter,
-                                stride_xt, stride_q13e, stride_q13n, stride_s13e, stride_s13n, False, 0, ACT_PAIRS,
-                                DEC, EVEN_H, SLOTS, BLOCK_I, BLOCK_K, X_SHIFT, None, None, 0)
+                              stride_xt, stride_q13e, stride_q13n, stride_s13e, stride_s13n, False, 0, ACT_PAIRS, DEC,
+                              EVEN_H, SLOTS, BLOCK_I, BLOCK_K, X_SHIFT, None, None, 0)
     k0 = s_idx * BLOCK_I
+    JOIN: tl.constexpr = BLOCK_I < 64
     # token slot 0 (one pair per program); rows past I were computed from clamped weight rows (with ACT_PAIRS
     # row i holds feature pairs_col(k0 + i), which is past I exactly when k0 + i is: I is a multiple of 8)
     act0 = tl.sum(tl.where((tl.arange(0, SLOTS) == 0)[None, :], act, 0.0), axis=1)
     act0 = tl.where(k0 + tl.arange(0, BLOCK_I) < inter, act0, 0.0).to(x_ptr.dtype.element_ty)
     # down's B operands: K slice t of the activations (`fp4_decode4`'s order) in column 0 of an 8-column tile,
     # so the 4 slices' MMAs chain into one accumulator whose column 0 is the result (no per-step selection)
-    a0, a1, a2, a3 = x_split4(tl.reshape(act0, [1, BLOCK_I]))
     col = tl.arange(0, 8)[None, :]
-    b0 = tl.where(col == 0, tl.trans(a0), 0.0)
-    b1 = tl.where(col == 0, tl.trans(a1), 0.0)
-    b2 = tl.where(col == 0, tl.trans(a2), 0.0)
-    b3 = tl.where(col == 0, tl.trans(a3), 0.0)
+    if JOIN:
+        # one MMA over the slice's whole K: the decode's four slices joined, column 4u + 2j + i holding slice
+        # 2i + j, so B is the activations with bits 0 and 1 of the K index swapped
+        bj = tl.reshape(tl.permute(tl.reshape(act0, [BLOCK_I // 4, 2, 2]), 0, 2, 1), [BLOCK_I, 1])
+        bj = tl.where(col == 0, bj, 0.0)
+    else:
+        a0, a1, a2, a3 = x_split4(tl.reshape(act0, [1, BLOCK_I]))
+        b0 = tl.where(col == 0, tl.trans(a0), 0.0)
+        b1 = tl.where(col == 0, tl.trans(a1), 0.0)
+        b2 = tl.where(col == 0, tl.trans(a2), 0.0)
+        b3 = tl.where(col == 0, tl.trans(a3), 0.0)
     p = tl.program_id(0).to(tl.int64)
     e64 = e.to(tl.int64)
     q_base = q2_ptr + e64 * stride_q2e
@@ -80,10 +89,14 @@ def moe_w4_slice_kernel(x_ptr, q13_ptr, s13_ptr, g13_ptr, q2_ptr, s2_ptr, part_p
         nc = tl.minimum(n, hidden - 1).to(tl.int64)
         q, s = w4_tile(q_base + nc * stride_q2n, s_base + nc * stride_s2n, k0, inter, BLOCK_I, EVEN_I)
         w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
-        acc = w4_dot(w0, b0, tl.zeros([BLOCK_H, 8], tl.float32), DEC)
-        acc = w4_dot(w1, b1, acc, DEC)
-        acc = w4_dot(w2, b2, acc, DEC)
-        acc = w4_dot(w3, b3, acc, DEC)
+        if JOIN:
+            wj = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK_H, BLOCK_I])
+            acc = w4_dot(wj, bj, tl.zeros([BLOCK_H, 8], tl.float32), DEC)
+        else:
+            acc = w4_dot(w0, b0, tl.zeros([BLOCK_H, 8], tl.float32), DEC)
+            acc = w4_dot(w1, b1, acc, DEC)
+            acc = w4_dot(w2, b2, acc, DEC)
+            acc = w4_dot(w3, b3, acc, DEC)
         # column 0 straight from the accumulator's layout: no shuffle or shared-memory round trip per step
         tl.store(out_row + n[:, None] + col * 0, acc, mask=(n < hidden)[:, None] & (col == 0))
 

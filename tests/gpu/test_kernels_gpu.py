@@ -527,7 +527,7 @@ def test_fused_moe_slice_mode(name: str) -> None:
     c = config(name)
     h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
     experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
-    base = {"path": "gemv", "dn_mode": "slice", "gu_block_n": 64, "gu_warps": 4, "dn_block_n": 64}
+    base = {"path": "gemv", "dn_mode": "slice", "gu_warps": 4, "dn_block_n": 256}
     for t in (1, 2, 4):
         calls = []
         for i in range(3):
@@ -536,14 +536,16 @@ def test_fused_moe_slice_mode(name: str) -> None:
             if t > 1 and i == 1:
                 ids[t - 1, :] = -1
             calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
-        for slots in (1, 2, 4):
-            plain = [fused_moe_launch(*a, experts, config={**base, "block_t": slots, "pdl": False}) for a in calls]
+        # 64-feature slices (four MMAs per down step) with 1, 2, 4 token slots; 32 (the K slices joined)
+        for block_i, slots in ((64, 1), (64, 2), (64, 4), (32, 2)):
+            tile = {**base, "gu_block_n": block_i, "block_t": slots}
+            plain = [fused_moe_launch(*a, experts, config={**tile, "pdl": False}) for a in calls]
             for (x, w, ids), p in zip(calls, plain):
                 err = rel(p, fused_moe_ref(x.float(), w, ids, experts))
-                assert err < TOL, (t, slots, err)
+                assert err < TOL, (t, block_i, slots, err)
             if t > 1:
                 assert float(plain[1][t - 1].float().abs().max()) == 0.0
-            cfg = {**base, "block_t": slots, "pdl": True, "gu_prefetch": True, "dn_prefetch": True}
+            cfg = {**tile, "pdl": True, "gu_prefetch": True, "dn_prefetch": True}
             eager = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
             again = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
             outs: list[torch.Tensor] = []
@@ -557,9 +559,9 @@ def test_fused_moe_slice_mode(name: str) -> None:
             g.replay()
             torch.cuda.synchronize()
             for i, p in enumerate(plain):
-                assert torch.equal(eager[i], p), (t, slots, i, "eager")
-                assert torch.equal(again[i], p), (t, slots, i, "again")
-                assert torch.equal(outs[i], p), (t, slots, i, "graph")
+                assert torch.equal(eager[i], p), (t, block_i, slots, i, "eager")
+                assert torch.equal(again[i], p), (t, block_i, slots, i, "again")
+                assert torch.equal(outs[i], p), (t, block_i, slots, i, "graph")
 
 
 @pytest.mark.parametrize("name", ["122B", "397B"])
