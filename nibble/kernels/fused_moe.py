@@ -301,8 +301,9 @@ def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.T
         BLOCK_K=tile["gbk"], BLOCK_H=tile["dbn"], DN_STAGES=tile["d_stages"], X_SHIFT=xsh, GU_PREFETCH=gu_pf,
         DN_PREFETCH=dn_pf, PDL_TRIGGER=pdl, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
         **_pdl_launch(pdl_wait))
+    # 1.5 MB of partials for one token of the 122B layer: spread over ~100 programs (32 columns x 16 slices each)
     slices_p2 = triton.next_power_of_2(num_slices)
-    block = max(16, min(256, 2048 // slices_p2))
+    block = max(16, min(128, 512 // slices_p2))
     moe_slice_reduce_kernel[(t, cdiv(h, block))](part, g2, tw, flat, out, h, part.stride(0), out.stride(0),
                                                  TOP_K=top_k, NUM_SLICES=num_slices, SLICES_P2=slices_p2, DEC=dec,
                                                  X_SHIFT=xsh, BLOCK=block, num_warps=4, **_pdl_launch(pdl))
