@@ -214,10 +214,10 @@ stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mo
   done
 }
 stage_slicetests() { NIBBLE_TEST_GPU=1 run slicetests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "slice_mode or fused_moe_pdl or fused_moe_nvfp4_dtypes or fused_moe_cuda_graph" -p no:cacheprovider -rf; }
-stage_moeslice() {  # 1-4 tokens: gate_up and down per feature slice in one launch (dn_mode "slice") against the table and 2 slots (MOESLICE_RUNS: run names, default "a")
+stage_moeslice() {  # 1-8 tokens: gate_up and down per feature slice in one launch (dn_mode "slice") against the table and 2 slots (MOESLICE_RUNS: run names, default "a b")
   local v sl='"path": "gemv", "dn_mode": "slice", "gu_stages": 4, "dn_stages": 3'
-  for v in ${MOESLICE_RUNS:-a}; do
-    run moeslice$v 320 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,4 --only '^auto$' --reps 40 \
+  for v in ${MOESLICE_RUNS:-a b}; do
+    run moeslice$v 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3,4,7,8 --only '^auto$' --reps 40 \
       --variant 'bt2={"block_t": 2}' \
       --variant "sl4={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 4}" \
       --variant "sl4b2={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2}" \
