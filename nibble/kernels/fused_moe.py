@@ -198,16 +198,16 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gbn, gbk, dbn, dbk = base["gbn"], base["gbk"], base["dbn"], base["dbk"]
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
-        act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         flat = ids.view(-1)
-        xmode = QUAD if cfg["xmode"] == "quad" else SPLIT
+        xmode = QUAD if cfg["xmode"] == "quad" or mode == "slice" else SPLIT
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
         if mode == "slice":
-            _slices(xs, tw, flat, out, top_k, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
-                    gu_pf, dn_pf, base, min(max(int(cfg["block_t"]), 1), 4))
+            _slices(xs, tw, flat, out, top_k, inter, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
+                    gu_pf, dn_pf, base, slots)
             return
+        act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
@@ -280,14 +280,13 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
 
 
-def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.Tensor, top_k: int, w13: tuple,
-            w2: tuple, dec: int, xsh: int, pdl_wait: bool, pdl: bool, gu_pf: bool, dn_pf: bool, tile: dict[str, Any],
-            slots: int) -> None:
+def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.Tensor, top_k: int, inter: int,
+            w13: tuple, w2: tuple, dec: int, xsh: int, pdl_wait: bool, pdl: bool, gu_pf: bool, dn_pf: bool,
+            tile: dict[str, Any], slots: int) -> None:
     """`dn_mode` "slice" on the pairs path (moe_w4_slices.py): one program per (pair, `gu_block_n` features)
     computes gate_up and that slice's share of down, a reduce launch sums the shares. Quad mode; `gu_*` fields
     set the program's warps, gate_up's K step and stages, `dn_block_n` / `dn_stages` down's row step."""
     t, h = xs.shape
-    inter = w2[0].shape[2] * 4
     bi = tile["gbn"]
     if bi < 16 and not interpreting():
         raise ValueError(f"fused_moe: dn_mode 'slice' needs gu_block_n >= 16 on the GPU (MMA K), got {bi}")
