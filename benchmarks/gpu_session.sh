@@ -229,20 +229,26 @@ stage_moeslice() {  # 1-8 tokens: gate_up and down per feature slice in one laun
       --out "$OUT/moeslice$v.json"
   done
 }
+table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
+  python3 -c "
+import json, sys
+t = json.load(open(sys.argv[1]))
+t.setdefault(sys.argv[2], []).insert(0, json.loads(sys.argv[3]))
+json.dump(t, open(sys.argv[1], 'w'))" "$1" "$2" "$3"
+}
 stage_slicee2e() {  # decode steps with the table, then with dn_mode "slice" at one token (SLICE_CFG: its tuning fields as JSON), then the table again; 122B where it fits, else 35B
-  local table model=Qwen3.5-122B-A10B-NVFP4 v
+  local table model=Qwen3.5-122B-A10B-NVFP4 v entry
   table=nibble/kernels/tuning/$(gpu_key).json
   python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100e9)" || model=Qwen3.5-35B-A3B-NVFP4
+  entry=$(python3 -c "
+import json, os
+cfg = {'path': 'gemv', 'dn_mode': 'slice', 'gu_block_n': 64, 'gu_warps': 4, 'gu_stages': 4, 'dn_block_n': 256,
+       'dn_stages': 3, 'block_t': 2, **json.loads(os.environ.get('SLICE_CFG', '{}'))}
+print(json.dumps({'when': {'max_tokens': 1}, 'config': cfg}))")
   cp "$table" /tmp/table_backup.json
   for v in on slice on2; do
     cp /tmp/table_backup.json "$table"
-    [ "$v" = slice ] && python3 -c "
-import json, os, sys
-t = json.load(open(sys.argv[1]))
-cfg = {'path': 'gemv', 'dn_mode': 'slice', 'gu_block_n': 64, 'gu_warps': 4, 'gu_stages': 4, 'dn_block_n': 256,
-       'dn_stages': 3, 'block_t': 2, **json.loads(os.environ.get('SLICE_CFG', '{}'))}
-t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 1}, 'config': cfg})
-json.dump(t, open(sys.argv[1], 'w'))" "$table"
+    [ "$v" = slice ] && table_first_entry "$table" fused_moe "$entry"
     decode_latency "slicee2e_$v" 200 "$model"
   done
   cp /tmp/table_backup.json "$table"
@@ -252,29 +258,24 @@ stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token s
   table=nibble/kernels/tuning/$(gpu_key).json
   cp "$table" /tmp/table_backup.json
   decode_latency moebte2e_on 120 Qwen3.5-35B-A3B-NVFP4
-  python3 -c "
-import json, sys
-t = json.load(open(sys.argv[1]))
-t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 7}, 'config': {'block_t': 2}})
-json.dump(t, open(sys.argv[1], 'w'))" "$table"
+  table_first_entry "$table" fused_moe '{"when": {"max_tokens": 7}, "config": {"block_t": 2}}'
   decode_latency moebte2e_bt2 120 Qwen3.5-35B-A3B-NVFP4
   cp /tmp/table_backup.json "$table"
 }
 stage_moedne2e() {  # 35B decode steps: the table, with the one-token top-k sum by a separate reduce launch, the table again
-  local table v
+  local table v entry
   table=nibble/kernels/tuning/$(gpu_key).json
-  cp "$table" /tmp/table_backup.json
-  for v in on reduce on2; do
-    cp /tmp/table_backup.json "$table"
-    # the whole one-token configuration this GPU takes for the 35B layer, with dn_mode "reduce", first in its own table
-    [ "$v" = reduce ] && python3 -c "
-import json, sys
+  # the whole one-token configuration this GPU takes for the 35B layer, with dn_mode "reduce", first in its own table
+  entry=$(python3 -c "
+import json
 from nibble.kernels.tuning_tables import lookup
 key = {'tokens': 1, 'fp4': True, 'hidden': 2048, 'inter': 512, 'experts': 256, 'top_k': 8, 'pairs_per_expert': 8 / 256}
 cfg = {**lookup('fused_moe', 'cuda:0', key), 'dn_mode': 'reduce'}
-t = json.load(open(sys.argv[1]))
-t.setdefault('fused_moe', []).insert(0, {'when': {'max_tokens': 1, 'max_hidden': 2048}, 'config': cfg})
-json.dump(t, open(sys.argv[1], 'w'))" "$table"
+print(json.dumps({'when': {'max_tokens': 1, 'max_hidden': 2048}, 'config': cfg}))")
+  cp "$table" /tmp/table_backup.json
+  for v in on reduce on2; do
+    cp /tmp/table_backup.json "$table"
+    [ "$v" = reduce ] && table_first_entry "$table" fused_moe "$entry"
     decode_latency moedne2e_$v 170 Qwen3.5-35B-A3B-NVFP4
   done
   cp /tmp/table_backup.json "$table"
