@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nibble.kernels._triton import capability, device_key
-from nibble.kernels.tuning_tables import TUNING_DIR, capability_table
+from nibble.kernels.tuning_tables import TUNING_DIR, capability_key, capability_table
 
 FLA_TABLE_DIR = TUNING_DIR / "fla"
 INDEX_FILE = "index.json"
@@ -45,15 +45,12 @@ def _index(root: Path) -> dict[str, dict[str, str]]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _cap_str(cap: tuple[int, int] | None) -> str | None:
-    return None if cap is None else f"{cap[0]}.{cap[1]}"
-
-
 def fla_table_candidates(key: str, cap: tuple[int, int] | None) -> list[tuple[str, dict[str, str]]]:
     """(folder name, index entry) of the stored configs device `key` (compute capability `cap`) may use,
     best first: its own, its capability's sibling's (`by_capability.json`), other GPUs of that capability."""
     index = _index(FLA_TABLE_DIR)
-    same_cap = sorted(n for n, meta in index.items() if cap is not None and meta.get("capability") == _cap_str(cap))
+    cap_key = capability_key(cap)
+    same_cap = sorted(n for n, meta in index.items() if cap_key is not None and meta.get("capability") == cap_key)
     return [(name, index[name]) for name in dict.fromkeys((key, capability_table(cap), *same_cap))
             if name and name in index and any((FLA_TABLE_DIR / name).glob("*.json"))]
 
@@ -187,5 +184,6 @@ def record_fla_device(root: Path, key: str, name: str, cap: tuple[int, int] | No
                       triton_version: str) -> None:
     """Note in root/index.json which GPU, capability and versions the folder root/key was tuned with."""
     index = _index(root)
-    index[key] = {"name": name, "capability": _cap_str(cap) or "", "fla_core": fla_version, "triton": triton_version}
+    index[key] = {"name": name, "capability": capability_key(cap) or "", "fla_core": fla_version,
+                  "triton": triton_version}
     (root / INDEX_FILE).write_text(json.dumps(dict(sorted(index.items())), indent=1) + "\n")

@@ -79,9 +79,14 @@ def device_tables(device: torch.device | str) -> tuple[str, ...]:
     return _resolve(device_key(device), capability(device))
 
 
+def capability_key(cap: tuple[int, int] | None) -> str | None:
+    """Compute capability `cap` as the tables write it ("9.0"), None for None."""
+    return None if cap is None else f"{cap[0]}.{cap[1]}"
+
+
 def capability_table(cap: tuple[int, int] | None) -> str | None:
     """The device name `by_capability.json` gives for compute capability `cap` (None: none given)."""
-    return _table(CAPABILITY_FILE).get(f"{cap[0]}.{cap[1]}") if cap is not None else None
+    return _table(CAPABILITY_FILE).get(capability_key(cap)) if cap is not None else None
 
 
 @functools.lru_cache(maxsize=16)
