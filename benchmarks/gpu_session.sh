@@ -229,6 +229,25 @@ stage_moeslice() {  # 1-8 tokens: gate_up and down per feature slice in one laun
       --out "$OUT/moeslice$v.json"
   done
 }
+stage_diagtests() { NIBBLE_TEST_GPU=1 run diagtests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "diag_mode" -p no:cacheprovider -rf --durations=5; }
+stage_moediag() {  # 1-5 tokens: xmode "diag" (block-diagonal activations, scales on the accumulators) on the pairs path against the table
+  local d='"path": "gemv", "xmode": "diag", "block_t": 1'
+  run moediag 300 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens ${MOEDIAG_TOKENS:-1,2,4} --only '^auto$' --reps 40 \
+    --variant "dg={$d, \"gu_block_k\": 256, \"dn_block_k\": 256}" \
+    --variant "dgd128={$d, \"gu_block_k\": 256, \"dn_block_k\": 128}" \
+    --variant "dg128={$d, \"gu_block_k\": 128, \"dn_block_k\": 128}" \
+    --variant "dgn32={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"gu_block_n\": 32, \"gu_warps\": 4}" \
+    --variant "dgs6={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"gu_stages\": 6, \"dn_stages\": 4}" \
+    --variant "dgdn64={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_block_n\": 64, \"dn_warps\": 4}" \
+    --variant "dgred={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_mode\": \"reduce\"}" \
+    --variant "dgpf={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_prefetch\": true}" \
+    --variant "dgnsa={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false}" \
+    --variant "dg128nsa={$d, \"gu_block_k\": 128, \"dn_block_k\": 128, \"scales_ahead\": false}" \
+    --variant "dgp={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false, \"dec\": 5}" \
+    --variant "dgpsa={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dec\": 5}" \
+    --variant "dgtma={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false, \"gu_tma\": 2, \"dn_tma\": 2}" \
+    --out "$OUT/moediag.json"
+}
 table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
   python3 -c "
 import json, sys

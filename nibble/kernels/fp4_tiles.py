@@ -160,7 +160,7 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
     return "\n".join([*lines, "}"])
 
 
-def _decode_cvt_asm(permute: bool = True) -> str:
+def _decode_cvt_asm(permute: bool = True, scaled: bool = True) -> str:
     """PTX (sm_89+) for the same 4 outputs as `_decode_asm`, in fp16, through the e4m3 -> f16x2 converter:
     a byte permute gathers the codes of each output pair 8 bits apart ([b0, b2, b1, b3]: low nibbles hold
     codes 0 and 2, high nibbles codes 1 and 3), and every nibble becomes an e4m3 byte, magnitude in bits
@@ -173,7 +173,8 @@ def _decode_cvt_asm(permute: bool = True) -> str:
     four outputs pair codes of one unit instead of codes 16 bits apart: $0 = (code 0, code 2), $1 = (code 1,
     code 3) of the word's first unit, $2 / $3 the same for its second unit (output t, element 2v + i = code
     c(t, i) of the word, c = 4 * (t // 2) + 2 * i + t % 2); the activations are staged in the matching order
-    (see above)."""
+    (see above). scaled=False leaves the multiply out: four outputs e2m1 * 2^-6 from the word ($4) alone, for
+    the "diag" activation layout, which applies the block scales to its fp32 accumulators."""
     src = "p" if permute else "$4"
     lines = ["{", f".reg .b32 {'p, ' if permute else ''}s, a, e, o, r, m;", ".reg .b16 l, h;"]
     if permute:
@@ -184,21 +185,41 @@ def _decode_cvt_asm(permute: bool = True) -> str:
     for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
         lines.append(f"mov.b32 {{l, h}}, {word};")
         for half, t in (("l", t_lo), ("h", t_hi)):
-            lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
+            if scaled:
+                lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
+            else:
+                lines.append(f"cvt.rn.f16x2.e4m3x2 ${t}, {half};")
     return "\n".join([*lines, "}"])
+
+
+def _decode_place_asm() -> str:
+    """PTX for DEC 5 (the "diag" layout only): DEC 4's four unscaled outputs in the same code order, with no
+    converter: each code becomes the high byte of an fp16 holding e2m1 * 2^-14 (sign to bit 7, magnitude to
+    bits 1..3 of the byte: the bottom of the exponent, subnormal codes as fp16 subnormals) and a byte permute
+    puts two such bytes over zero low bytes."""
+    return "\n".join([
+        "{", ".reg .b32 s, a, e, o, m;", "mov.b32 m, 0x0E0E0E0E;", "and.b32 s, $4, 0x88888888;",
+        "shr.b32 a, $4, 3;", "lop3.b32 o, a, s, m, 0xE4;", "shl.b32 a, $4, 1;", "shl.b32 s, s, 4;",
+        "lop3.b32 e, a, s, m, 0xE4;", "prmt.b32 $0, e, 0, 0x1404;", "prmt.b32 $2, e, 0, 0x3424;",
+        "prmt.b32 $1, o, 0, 0x1404;", "prmt.b32 $3, o, 0, 0x3424;", "}"])
 
 
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None
 DECODE_F16 = tl.constexpr(_decode_asm(9, 0x0E000E00, "f16x2")) if tl is not None else None
 DECODE_F16_CVT = tl.constexpr(_decode_cvt_asm()) if tl is not None else None
 DECODE_F16_PAIRS = tl.constexpr(_decode_cvt_asm(permute=False)) if tl is not None else None
+DECODE_F16_CVT_RAW = tl.constexpr(_decode_cvt_asm(scaled=False)) if tl is not None else None
+DECODE_F16_PAIRS_RAW = tl.constexpr(_decode_cvt_asm(permute=False, scaled=False)) if tl is not None else None
+DECODE_F16_PLACE_RAW = tl.constexpr(_decode_place_asm()) if tl is not None else None
 
 
 @triton.jit
 def fp4_acc_scale(DEC: tl.constexpr, X_SHIFT: tl.constexpr):
     """What fp32 accumulators of `fp4_decode4` tiles are multiplied by (with the global scale): the
     decode's 2^8 (2^6 for DEC 3 and 4) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
-    if DEC >= 3:
+    if DEC == 5:
+        return 16384.0 * (1 << X_SHIFT)
+    elif DEC >= 3:
         return 64.0 * (1 << X_SHIFT)
     else:
         return 256.0 * (1 << X_SHIFT)
@@ -224,6 +245,38 @@ def _expand_scale(sc, q):
         R: tl.constexpr = q.shape[0]
         U: tl.constexpr = q.shape[1]
         return tl.reshape(tl.broadcast_to(sc[:, :, None], [R, U // 4, 4]), [R, U])
+
+
+@triton.jit
+def fp4_decode4_raw(q, DEC: tl.constexpr):
+    """`fp4_decode4` without the block scales: w_t[.., r, u] = e2m1(code 4u + t) times the decode's power of
+    two (2^-8, 2^-6 for DEC 3 and 4, 2^-14 for DEC 5), in fp16 (DEC 3-5) or fp32 (DEC 0); the "diag"
+    activation layout applies the scales to its fp32 accumulators instead (`w4_k_step`). DEC 1 and 2 multiply
+    by unit scales."""
+    if DEC == 5:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_PLACE_RAW, "=r,=r,=r,=r,r", [q],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    elif DEC >= 3:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT_RAW if DEC == 3 else DECODE_F16_PAIRS_RAW,
+                                                   "=r,=r,=r,=r,r", [q],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    elif DEC == 0:
+        b = q.to(tl.uint16, bitcast=True)
+        w0 = _nibble_f32(b, 0) * 64.0
+        w1 = _nibble_f32(b, 4) * 64.0
+        w2 = _nibble_f32(b, 8) * 64.0
+        w3 = _nibble_f32(b, 12) * 64.0
+    else:
+        UNITS: tl.constexpr = q.shape[len(q.shape) - 1]
+        one = tl.full([UNITS // 4], 0x38, tl.uint8)  # e4m3 1.0
+        if len(q.shape) == 3:
+            ones = tl.broadcast_to(one[None, None, :], [q.shape[0], q.shape[1], UNITS // 4])
+        else:
+            ones = tl.broadcast_to(one[None, :], [q.shape[0], UNITS // 4])
+        w0, w1, w2, w3 = fp4_decode4(q, ones, DEC)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -265,119 +318,3 @@ def _nibble_f32(b, SHIFT: tl.constexpr):
     n = (b >> SHIFT) & 0xF
     h = (((n & 0x7) << 9) | ((n & 0x8) << 12)).to(tl.uint16)
     return h.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def x_split4(x):
-    """Activation tile [..., M, K] (2-D or 3-D) -> (x0, x1, x2, x3), each [..., M, K // 4],
-    x_t[.., m, u] = x[.., m, 4u + t] (the K order of `fp4_decode4`'s outputs)."""
-    if len(x.shape) == 3:
-        S: tl.constexpr = x.shape[0]
-        M: tl.constexpr = x.shape[1]
-        K: tl.constexpr = x.shape[2]
-        a, b = tl.split(tl.reshape(x, [S, M, K // 4, 2, 2]))
-    else:
-        M: tl.constexpr = x.shape[0]
-        K: tl.constexpr = x.shape[1]
-        a, b = tl.split(tl.reshape(x, [M, K // 4, 2, 2]))
-    x0, x2 = tl.split(a)
-    x1, x3 = tl.split(b)
-    return x0, x1, x2, x3
-
-
-# K steps of the weight-stationary ("swap AB") tensor-core kernels of moe_w4.py and nvfp4_linear.py: a unit
-# tile of weight rows, decoded by `fp4_decode4`, is the MMA's M side; activation layouts (XMODE) in moe_w4.py.
-
-
-@triton.jit
-def w4_b_quad(row_ptr, valid, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Quad-mode activation tile [BLOCK_K/4, N]: B[u, col] = A[row(col), k0 + 4u + col % 4]; row_ptr,
-    valid: [N] per column (token slot col // 4)."""
-    N: tl.constexpr = row_ptr.shape[0]
-    u = tl.arange(0, BLOCK_K // 4)
-    k = k0 + 4 * u[:, None] + (tl.arange(0, N) % 4)[None, :]
-    m = valid[None, :]
-    if not EVEN_K:
-        m = m & (k < n_k)
-    return tl.load(row_ptr[None, :] + k, mask=m, other=0.0)
-
-
-@triton.jit
-def w4_tile(q_rows, s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Packed unit tile [R, BLOCK_K/4] (int16) and its scales [R, BLOCK_K/16] (uint8) at K offset k0;
-    q_rows / s_rows: [R] row pointers (units / scale bytes)."""
-    u = tl.arange(0, BLOCK_K // 4)
-    if EVEN_K:
-        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :])
-    else:
-        q = tl.load(q_rows[:, None] + (k0 // 4 + u)[None, :], mask=(k0 // 4 + u < n_k // 4)[None, :], other=0)
-    return q, w4_scale_tile(s_rows, k0, n_k, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def w4_scale_tile(s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The block scales [R, BLOCK_K/16] (uint8) of `w4_tile`'s tile."""
-    g = tl.arange(0, BLOCK_K // 16)
-    if EVEN_K:
-        return tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :])
-    else:
-        return tl.load(s_rows[:, None] + (k0 // 16 + g)[None, :], mask=(k0 // 16 + g < n_k // 16)[None, :], other=0)
-
-
-@triton.jit
-def w4_dot(w, b, acc, DEC: tl.constexpr):
-    """acc += w @ b (b [K, N]); fp32 activations (DEC 0: tests, fp32 models) in exact fp32."""
-    if DEC == 0:
-        return tl.dot(w, b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(w, b, acc)
-
-
-@triton.jit
-def w4_k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, XMODE: tl.constexpr,
-              DEC: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step: decode the weight tile and accumulate it against the activations. b_ptr: [N] activation
-    row pointers per MMA column (quad) or per token (perm, split). Quad mode uses the four accumulators
-    (one per slice), the others only acc0. n_rows_perm: K / 4 (perm mode: distance between slices)."""
-    w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
-    if XMODE == 0:
-        b = w4_b_quad(b_ptr, valid, k0, n_k, BLOCK_K, EVEN_K)
-        acc0 = w4_dot(w0, b, acc0, DEC)
-        acc1 = w4_dot(w1, b, acc1, DEC)
-        acc2 = w4_dot(w2, b, acc2, DEC)
-        acc3 = w4_dot(w3, b, acc3, DEC)
-    elif XMODE == 1:
-        u = tl.arange(0, BLOCK_K // 4)
-        p = b_ptr[None, :] + (k0 // 4 + u)[:, None]
-        m = valid[None, :]
-        if not EVEN_K:
-            m = m & (k0 // 4 + u < n_k // 4)[:, None]
-        acc0 = w4_dot(w0, tl.load(p, mask=m, other=0.0), acc0, DEC)
-        acc0 = w4_dot(w1, tl.load(p + n_rows_perm, mask=m, other=0.0), acc0, DEC)
-        acc0 = w4_dot(w2, tl.load(p + 2 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
-        acc0 = w4_dot(w3, tl.load(p + 3 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        m = valid[:, None]
-        if not EVEN_K:
-            m = m & (kk < n_k)[None, :]
-        a0, a1, a2, a3 = x_split4(tl.load(b_ptr[:, None] + kk[None, :], mask=m, other=0.0))
-        acc0 = w4_dot(w0, tl.trans(a0), acc0, DEC)
-        acc0 = w4_dot(w1, tl.trans(a1), acc0, DEC)
-        acc0 = w4_dot(w2, tl.trans(a2), acc0, DEC)
-        acc0 = w4_dot(w3, tl.trans(a3), acc0, DEC)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def w4_finish(acc0, acc1, acc2, acc3, XMODE: tl.constexpr):
-    """[M, N] accumulators -> [M, token slots]: quad mode picks column 4j + t of accumulator t."""
-    if XMODE == 0:
-        M: tl.constexpr = acc0.shape[0]
-        N: tl.constexpr = acc0.shape[1]
-        c = (tl.arange(0, N) % 4)[None, :]
-        acc = tl.where(c == 0, acc0, 0.0) + tl.where(c == 1, acc1, 0.0)
-        acc += tl.where(c == 2, acc2, 0.0) + tl.where(c == 3, acc3, 0.0)
-        return tl.sum(tl.reshape(acc, [M, N // 4, 4]), axis=2)
-    else:
-        return acc0

@@ -49,6 +49,7 @@ from nibble.kernels.moe_align import moe_align, moe_align_split
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
 from nibble.kernels.moe_w4 import (
+    DIAG,
     PERM,
     QUAD,
     SPLIT,
@@ -61,7 +62,7 @@ from nibble.kernels.moe_w4_slices import moe_slice_reduce_kernel, moe_w4_slice_k
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
-from nibble.kernels.w4_stage import stage_x
+from nibble.kernels.w4_stage import stage_x, stage_x_diag
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DN_MODES = ("reduce", "fused", "token", "slice")  # the pairs path's down + top-k sum (module docstring)
@@ -199,20 +200,31 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         flat = ids.view(-1)
-        xmode = QUAD if cfg["xmode"] == "quad" or mode == "slice" else SPLIT
-        slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
+        xmode = QUAD if mode == "slice" else {PERM: SPLIT}.get(_xmode(cfg, ""), _xmode(cfg, ""))
+        slots = min(max(int(cfg["block_t"]), 1), 4) if xmode in (QUAD, DIAG) else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
-        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
+        diag = xmode == DIAG
+        if diag:
+            _check_diag(h, inter, gbk, dbk, mode)
+            if dec == 5 and not (staged and h % 8 == 0 and inter % 8 == 0 and gbn % 8 == 0):
+                raise ValueError("fused_moe: dec 5 needs bf16 activations, K and gu_block_n multiples of 8")
+            xs = stage_x_diag(x, adt, xsh, gbk // 16, pairs=dec in (4, 5), pdl_trigger=pdl)
+        elif dec == 5:
+            raise ValueError("fused_moe: dec 5 (no block-scale multiply) runs in xmode 'diag' only")
+        else:
+            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
         if mode == "slice":
             _slices(xs, tw, flat, out, top_k, inter, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
                     gu_pf, dn_pf, base, slots)
             return
-        act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
+        act_ng = dbk // 16 if diag else 0
+        act = torch.empty((t * top_k, inter * max(act_ng, 1)), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
-            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
-            DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **_pdl_launch(pdl and staged), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
+            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec in (4, 5),
+            DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, ACT_NG=act_ng,
+            SCALES_AHEAD=bool(cfg.get("scales_ahead", True)), **gkw,
+            **_pdl_launch(pdl and (staged or diag)), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
@@ -226,12 +238,15 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
+            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None,
+            SCALES_AHEAD=bool(cfg.get("scales_ahead", True)), **dpdl, **dkw,
             **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4, **rkw)
         return
+    if base["xmode"] == DIAG or (cfg.get("mixed_max_pairs", 0) and cfg.get("lg_xmode") == "diag"):
+        raise ValueError("fused_moe: xmode 'diag' runs on the gemv path only")
     tiles = [base]
     split = int(cfg.get("mixed_max_pairs", 0))
     if split > 0:
@@ -308,16 +323,35 @@ def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.T
                                                  X_SHIFT=xsh, BLOCK=block, num_warps=4, **_pdl_launch(pdl))
 
 
+def _xmode(cfg: dict[str, Any], prefix: str) -> int:
+    name = cfg[f"{prefix}xmode"]
+    if name not in XMODES:
+        raise ValueError(f"fused_moe: tuning field {prefix}xmode {name!r} is not one of {tuple(XMODES)}")
+    return XMODES[name]
+
+
+def _check_diag(h: int, inter: int, gbk: int, dbk: int, mode: str) -> None:
+    """xmode "diag" needs K steps of whole scale groups, at least 8 of them (the MMA's 8 columns for one token
+    slot), and a down kernel that reads act as gate_up writes it."""
+    if mode not in ("reduce", "fused"):
+        raise ValueError(f"fused_moe: xmode 'diag' needs dn_mode 'reduce' or 'fused', got {mode!r}")
+    for name, bk, k in (("gu_block_k", gbk, h), ("dn_block_k", dbk, inter)):
+        if bk % 16 or (bk < 128 and not interpreting()) or k % 16:
+            raise ValueError(f"fused_moe: xmode 'diag' needs {name} a multiple of 16 (at least 128 on the GPU) "
+                             f"and K a multiple of 16, got {name} {bk} for K = {k}")
+
+
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
     """The gate_up and down tiles from the tuning fields under `prefix`, with the sorted path's x mode and
     token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
     tokens otherwise) and the TMA levels of their weight loads (`gu_tma`, `dn_tma`: 0 = off, see `_tma_args`)."""
-    xmode = XMODES[cfg[f"{prefix}xmode"]]
+    xmode = _xmode(cfg, prefix)
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT
     gbk, g_stages = tile_for_dec(dec, cfg[f"{prefix}gu_block_k"], cfg[f"{prefix}gu_stages"])
     dbk, d_stages = tile_for_dec(dec, cfg[f"{prefix}dn_block_k"], cfg[f"{prefix}dn_stages"])
-    return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
+    slots = cfg[f"{prefix}block_t"] if xmode == DIAG else max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16)
+    return {"xmode": xmode, "slots": slots,
             "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
             "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"],
             "gtma": int(cfg.get(f"{prefix}gu_tma", 0)), "dtma": int(cfg.get(f"{prefix}dn_tma", 0))}
@@ -327,7 +361,7 @@ def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: 
     """DEC 4 (the converter decode without its byte permute, fp4_tiles.py) in quad and split mode where the
     activations are staged anyway (bf16 -> fp16), so can be staged in the order it needs: x by `stage_x`,
     act by gate_up's row order (tuning field `pair_decode`, default on)."""
-    ok = staged and xmode in (QUAD, SPLIT) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
+    ok = staged and xmode in (QUAD, SPLIT, DIAG) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
     return 4 if dec == 3 and ok and cfg.get("pair_decode", True) else dec
 
 

@@ -18,9 +18,10 @@ weight at BLOCK_I 32 against 2.8 at 64, offline sm_90 SASS), for twice the progr
 from __future__ import annotations
 
 from nibble.kernels._triton import tl, triton
-from nibble.kernels.fp4_tiles import fp4_acc_scale, fp4_decode4, w4_dot, w4_tile, x_split4
+from nibble.kernels.fp4_tiles import fp4_acc_scale, fp4_decode4
 from nibble.kernels.moe_w4 import _block, _prefetch_expert_rows, gate_up_slice, prefetch_gate_up_rows
 from nibble.kernels.pdl import pdl_handoff
+from nibble.kernels.w4_steps import w4_dot, w4_tile, x_split4
 
 
 @triton.jit

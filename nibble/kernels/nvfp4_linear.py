@@ -26,14 +26,12 @@ from nibble.kernels.fp4_tiles import (
     fp4_tile_kn,
     fp4_units,
     tile_for_dec,
-    w4_finish,
-    w4_k_step,
-    w4_tile,
     x_even_odd,
 )
 from nibble.kernels.moe_w4 import PERM, QUAD, SPLIT, XMODES
 from nibble.kernels.tuning_tables import lookup
 from nibble.kernels.w4_stage import stage_x
+from nibble.kernels.w4_steps import w4_finish, w4_k_step, w4_tile
 
 
 def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
@@ -212,6 +210,8 @@ def _w4(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, cfg: dict[str, Any])
     n = w.packed.shape[0]
     q = fp4_units(w.packed)
     s8 = w.block_scale.view(torch.uint8)
+    if cfg["xmode"] not in ("quad", "perm", "split"):
+        raise ValueError(f"nvfp4_linear: tuning field xmode {cfg['xmode']!r} is not one of 'quad', 'perm', 'split'")
     xmode = XMODES[cfg["xmode"]]
     if xmode == PERM and k % 4:
         xmode = SPLIT
