@@ -213,22 +213,6 @@ stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mo
       --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
   done
 }
-stage_slicetests() { NIBBLE_TEST_GPU=1 run slicetests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "slice_mode or fused_moe_nvfp4_dtypes" -p no:cacheprovider -rf --durations=5; }
-stage_moeslice() {  # 1-8 tokens: gate_up and down per feature slice in one launch (dn_mode "slice") against the table and 2 slots (MOESLICE_RUNS: run names, default "a b")
-  local v sl='"path": "gemv", "dn_mode": "slice", "gu_stages": 4, "dn_stages": 3'
-  for v in ${MOESLICE_RUNS:-a b}; do
-    run moeslice$v 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3,4,7,8 --only '^auto$' --reps 40 \
-      --variant 'bt2={"block_t": 2}' \
-      --variant "sl4={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 4}" \
-      --variant "sl4b2={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2}" \
-      --variant "sl4b1={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 1}" \
-      --variant "sl8b2={$sl, \"gu_block_n\": 64, \"gu_warps\": 8, \"dn_block_n\": 256, \"block_t\": 2}" \
-      --variant "sl8b2d512={$sl, \"gu_block_n\": 64, \"gu_warps\": 8, \"dn_block_n\": 512, \"block_t\": 2}" \
-      --variant "sl4b2pf={$sl, \"gu_block_n\": 64, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2, \"gu_prefetch\": true, \"dn_prefetch\": true}" \
-      --variant "sl4i32={$sl, \"gu_block_n\": 32, \"gu_warps\": 4, \"dn_block_n\": 256, \"block_t\": 2}" \
-      --out "$OUT/moeslice$v.json"
-  done
-}
 stage_diagtests() { NIBBLE_TEST_GPU=1 run diagtests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "diag_mode" -p no:cacheprovider -rf --durations=5; }
 stage_moediag() {  # 1-5 tokens: xmode "diag" (block-diagonal activations, scales on the accumulators) on the pairs path against the table
   local d='"path": "gemv", "xmode": "diag", "block_t": 1'
@@ -254,23 +238,6 @@ import json, sys
 t = json.load(open(sys.argv[1]))
 t.setdefault(sys.argv[2], []).insert(0, json.loads(sys.argv[3]))
 json.dump(t, open(sys.argv[1], 'w'))" "$1" "$2" "$3"
-}
-stage_slicee2e() {  # decode steps with the table, then with dn_mode "slice" at one token (SLICE_CFG: its tuning fields as JSON), then the table again; 122B where it fits, else 35B
-  local table model=Qwen3.5-122B-A10B-NVFP4 v entry
-  table=nibble/kernels/tuning/$(gpu_key).json
-  python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100e9)" || model=Qwen3.5-35B-A3B-NVFP4
-  entry=$(python3 -c "
-import json, os
-cfg = {'path': 'gemv', 'dn_mode': 'slice', 'gu_block_n': 64, 'gu_warps': 4, 'gu_stages': 4, 'dn_block_n': 256,
-       'dn_stages': 3, 'block_t': 2, **json.loads(os.environ.get('SLICE_CFG', '{}'))}
-print(json.dumps({'when': {'max_tokens': 1}, 'config': cfg}))")
-  cp "$table" /tmp/table_backup.json
-  for v in on slice on2; do
-    cp /tmp/table_backup.json "$table"
-    [ "$v" = slice ] && table_first_entry "$table" fused_moe "$entry"
-    decode_latency "slicee2e_$v" 200 "$model"
-  done
-  cp /tmp/table_backup.json "$table"
 }
 stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
   local table

@@ -12,12 +12,12 @@ Two paths, picked per call from the token count and pairs per expert (tuning tab
 NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down with the
 routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one small extra launch;
 "fused" = done by the down kernel's last program per token and slice, `gemv` path only; "token" = a per-token down
-kernel that loops over the k experts; "slice", `gemv` path only: gate_up and down in one launch, each program a pair's
-feature slice and that slice's share of down, moe_w4_slices.py). `xmode` picks how the activations meet the weights'
-stride-4 K slices ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per block of the sorted path
-(and in quad mode of the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer slots make narrower
-MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in fp16 (fp4_tiles.py, DEC 3;
-DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense experts run the older per-pair GEMV
+kernel that loops over the k experts). `xmode` picks how the activations meet the weights' stride-4 K slices
+("split", "quad", "perm", and on the `gemv` path "diag": see moe_w4.py), `block_t` the token slots per block of the
+sorted path (and in quad and diag mode of the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer
+slots make narrower MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
+fp16 (fp4_tiles.py, DEC 3; DEC 4, without its byte permute, in quad, split and diag mode: `pair_decode`; `dec` 5,
+diag mode only, places the codes as fp16 bytes without the converter). Dense experts run the older per-pair GEMV
 (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4
 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.
@@ -58,14 +58,13 @@ from nibble.kernels.moe_w4 import (
     moe_w4_down_token_kernel,
     moe_w4_gate_up_kernel,
 )
-from nibble.kernels.moe_w4_slices import moe_slice_reduce_kernel, moe_w4_slice_kernel
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
 from nibble.kernels.w4_stage import stage_x, stage_x_diag
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DN_MODES = ("reduce", "fused", "token", "slice")  # the pairs path's down + top-k sum (module docstring)
+DN_MODES = ("reduce", "fused", "token")  # the pairs path's down + top-k sum (module docstring)
 
 
 def _weight_args(w: torch.Tensor | NVFP4Tensor, n: int, k: int, num_experts: int, name: str
@@ -200,7 +199,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         flat = ids.view(-1)
-        xmode = QUAD if mode == "slice" else {PERM: SPLIT}.get(_xmode(cfg, ""), _xmode(cfg, ""))
+        xmode = {PERM: SPLIT}.get(_xmode(cfg, ""), _xmode(cfg, ""))
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode in (QUAD, DIAG) else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         diag = xmode == DIAG
@@ -213,10 +212,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             raise ValueError("fused_moe: dec 5 (no block-scale multiply) runs in xmode 'diag' only")
         else:
             xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
-        if mode == "slice":
-            _slices(xs, tw, flat, out, top_k, inter, (u13, s13, g13), (u2, s2, g2), dec, xsh, pdl and staged, pdl,
-                    gu_pf, dn_pf, base, slots)
-            return
         act_ng = dbk // 16 if diag else 0
         act = torch.empty((t * top_k, inter * max(act_ng, 1)), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
@@ -293,34 +288,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
-
-
-def _slices(xs: torch.Tensor, tw: torch.Tensor, flat: torch.Tensor, out: torch.Tensor, top_k: int, inter: int,
-            w13: tuple, w2: tuple, dec: int, xsh: int, pdl_wait: bool, pdl: bool, gu_pf: bool, dn_pf: bool,
-            tile: dict[str, Any], slots: int) -> None:
-    """`dn_mode` "slice" on the pairs path (moe_w4_slices.py): one program per (pair, `gu_block_n` features)
-    computes gate_up and that slice's share of down, a reduce launch sums the shares. Quad mode; `gu_*` fields
-    set the program's warps, gate_up's K step and stages, `dn_block_n` / `dn_stages` down's row step."""
-    t, h = xs.shape
-    bi = tile["gbn"]
-    if bi < 16 and not interpreting():
-        raise ValueError(f"fused_moe: dn_mode 'slice' needs gu_block_n >= 16 on the GPU (MMA K), got {bi}")
-    (u13, s13, g13), (u2, s2, g2) = w13, w2
-    num_slices = cdiv(inter, bi)
-    part = torch.empty((t * top_k * num_slices, h), dtype=torch.float32, device=xs.device)
-    moe_w4_slice_kernel[(t * top_k, num_slices)](
-        xs, u13, s13, g13, u2, s2, part, flat, top_k, h, inter, xs.stride(0), u13.stride(0), u13.stride(1),
-        s13.stride(0), s13.stride(1), u2.stride(0), u2.stride(1), s2.stride(0), s2.stride(1), part.stride(0),
-        ACT_PAIRS=dec == 4, DEC=dec, EVEN_H=h % tile["gbk"] == 0, EVEN_I=inter % bi == 0, SLOTS=slots, BLOCK_I=bi,
-        BLOCK_K=tile["gbk"], BLOCK_H=tile["dbn"], DN_STAGES=tile["d_stages"], X_SHIFT=xsh, GU_PREFETCH=gu_pf,
-        DN_PREFETCH=dn_pf, PDL_TRIGGER=pdl, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
-        **_pdl_launch(pdl_wait))
-    # 1.5 MB of partials for one token of the 122B layer: spread over ~100 programs (32 columns x 16 slices each)
-    slices_p2 = triton.next_power_of_2(num_slices)
-    block = max(16, min(128, 512 // slices_p2))
-    moe_slice_reduce_kernel[(t, cdiv(h, block))](part, g2, tw, flat, out, h, part.stride(0), out.stride(0),
-                                                 TOP_K=top_k, NUM_SLICES=num_slices, SLICES_P2=slices_p2, DEC=dec,
-                                                 X_SHIFT=xsh, BLOCK=block, num_warps=4, **_pdl_launch(pdl))
 
 
 def _xmode(cfg: dict[str, Any], prefix: str) -> int:

@@ -161,7 +161,6 @@ def main() -> int:
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
                  {"xmode": "perm", "block_t": 64},
-                 {"dn_mode": "slice", "gu_block_n": 64, "gu_warps": 4, "dn_block_n": 64, "block_t": 2},
                  {"xmode": "diag", "block_t": 1, "gu_block_k": 256, "dn_block_k": 128, "dn_mode": "fused"}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads

@@ -519,16 +519,6 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_fused_moe_slice_mode(name: str) -> None:
-    """dn_mode "slice" (gate_up and down of a feature slice in one launch, moe_w4_slices.py) on the real layer
-    shapes at 1-4 tokens: 64-feature slices (four MMAs per down step) with 1, 2, 4 token slots; 32 (the K
-    slices joined). See `_check_pairs_tiles`."""
-    base = {"path": "gemv", "dn_mode": "slice", "gu_warps": 4, "dn_block_n": 256}
-    _check_pairs_tiles(name, [{**base, "gu_block_n": bi, "block_t": sl} for bi, sl in ((64, 1), (64, 2), (64, 4),
-                                                                                        (32, 2))])
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
 def test_fused_moe_diag_mode(name: str) -> None:
     """xmode "diag" (block-diagonal activations, block scales on the accumulators, fp4_tiles.py) on the real
     layer shapes at 1-4 tokens: 16 and 8 scale groups per K step, 1 and 2 token slots, the fused top-k sum and

@@ -120,9 +120,6 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
     # one pair per program in 1 or 2 token slots: MMAs narrower than 8 columns, padded by Triton
     ("gemv", {"xmode": "quad", "block_t": 1, "dn_mode": "fused"}),
     ("gemv", {"xmode": "quad", "block_t": 2, "dn_mode": "reduce"}),
-    # gate_up and down in one launch per feature slice (two slices, the second past I), partial sums reduced
-    ("gemv", {"dn_mode": "slice", "gu_block_n": 32, "gu_block_k": 32, "dn_block_n": 16, "block_t": 1}),
-    ("gemv", {"dn_mode": "slice", "gu_block_n": 64, "gu_block_k": 64, "dn_block_n": 32, "block_t": 4}),
     ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
     ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False}),
     ("sorted", {"xmode": "quad", "block_t": 4, **MIXED}),
@@ -146,7 +143,6 @@ def test_fused_moe_variants(path: str, cfg: dict) -> None:
     ("gemv", {"gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16, "dn_mode": "token"}),
     ("gemv", {"xmode": "quad", "gu_block_n": 16, "gu_block_k": 32, "dn_block_n": 32, "dn_block_k": 16,
               "dn_mode": "fused"}),
-    ("gemv", {"gu_block_n": 16, "gu_block_k": 128, "dn_block_n": 16, "block_t": 2, "dn_mode": "slice"}),
     ("sorted", {"chunk_pairs": 12, "block_t": 4, "xmode": "quad", "gu_block_n": 16, "gu_block_k": 128,
                 "dn_block_n": 32, "dn_block_k": 32}),
     ("sorted", {"chunk_pairs": 12, "block_t": 16, "xmode": "perm", "gu_block_n": 16, "gu_block_k": 128,
@@ -167,7 +163,7 @@ def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
 
 @pytest.mark.parametrize("fp4,path,cfg", [
     (True, "gemv", {"xmode": "quad", "dn_mode": "fused"}), (True, "gemv", {"xmode": "split", "dn_mode": "reduce"}),
-    (True, "gemv", {"dn_mode": "token"}), (True, "gemv", {"dn_mode": "slice", "gu_block_n": 32, "block_t": 1}),
+    (True, "gemv", {"dn_mode": "token"}),
     (True, "gemv", {"xmode": "diag", "block_t": 1, "dn_mode": "fused"}),
     (True, "sorted", {"xmode": "quad", "block_t": 4}),
     (True, "sorted", {"xmode": "perm", "block_t": 16}), (True, "sorted", {"xmode": "split", "block_t": 16}),
