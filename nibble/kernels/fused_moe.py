@@ -199,7 +199,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         flat = ids.view(-1)
-        xmode = {PERM: SPLIT}.get(_xmode(cfg, ""), _xmode(cfg, ""))
+        xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode in (QUAD, DIAG) else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         diag = xmode == DIAG
@@ -213,12 +213,13 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         else:
             xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
         act_ng = dbk // 16 if diag else 0
+        ahead = bool(cfg.get("scales_ahead", True))  # diag: each step's block scales loaded a step ahead
         act = torch.empty((t * top_k, inter * max(act_ng, 1)), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec in (4, 5),
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, ACT_NG=act_ng,
-            SCALES_AHEAD=bool(cfg.get("scales_ahead", True)), **gkw,
+            SCALES_AHEAD=ahead, **gkw,
             **_pdl_launch(pdl and (staged or diag)), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -234,7 +235,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
             BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None,
-            SCALES_AHEAD=bool(cfg.get("scales_ahead", True)), **dpdl, **dkw,
+            SCALES_AHEAD=ahead, **dpdl, **dkw,
             **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
@@ -317,8 +318,7 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
         xmode = SPLIT
     gbk, g_stages = tile_for_dec(dec, cfg[f"{prefix}gu_block_k"], cfg[f"{prefix}gu_stages"])
     dbk, d_stages = tile_for_dec(dec, cfg[f"{prefix}dn_block_k"], cfg[f"{prefix}dn_stages"])
-    slots = cfg[f"{prefix}block_t"] if xmode == DIAG else max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16)
-    return {"xmode": xmode, "slots": slots,
+    return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
             "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
             "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"],
             "gtma": int(cfg.get(f"{prefix}gu_tma", 0)), "dtma": int(cfg.get(f"{prefix}dn_tma", 0))}

@@ -93,16 +93,6 @@ def _prefetch_expert_rows(q_ptr, s_ptr, e, first_row, num_rows, stride_qe, strid
 
 
 @triton.jit
-def prefetch_gate_up_rows(q_ptr, s_ptr, e, inter, hidden, stride_qe, stride_qn, stride_se, stride_sn,
-                          BLOCK_N: tl.constexpr):
-    """Ask for the gate and up rows of feature slice program_id(1) of expert e in L2."""
-    n0 = tl.program_id(1) * BLOCK_N
-    num = tl.minimum(inter - n0, BLOCK_N)
-    _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
-    _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
-
-
-@triton.jit
 def _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, n_k, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, STACKED: tl.constexpr):
     """A K step's weight tile: units [ROWS, BLOCK_K/4] and scales [ROWS, BLOCK_K/16] (`w4_tile`), by pointers
@@ -160,8 +150,11 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
-            prefetch_gate_up_rows(q_ptr, s_ptr, e, inter, hidden, stride_qe, stride_qn, stride_se, stride_sn,
-                                  BLOCK_N)
+            n0 = tl.program_id(1) * BLOCK_N
+            num = tl.minimum(inter - n0, BLOCK_N)
+            _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
+            _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn,
+                                  hidden)
     pdl_handoff(PDL_TRIGGER, PDL_WAIT)
     if e < 0:
         return

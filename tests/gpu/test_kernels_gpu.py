@@ -7,6 +7,8 @@ the torch references evaluated in fp32 on the same GPU. Run with NIBBLE_TEST_GPU
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -477,6 +479,22 @@ def test_fused_moe_cuda_graph_replay(t: int) -> None:
         assert rel(out, fused_moe_ref(x.float(), w, ids, experts)) < TOL
 
 
+def _replayed(launches: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    """The outputs of `launches` captured in one CUDA graph, poisoned with NaN, then rewritten by one replay
+    (copies, so they outlive the graph): a call that reads stale inputs or skips its output shows."""
+    outs: list[torch.Tensor] = []
+
+    def run() -> None:
+        outs[:] = [f() for f in launches]
+
+    g = capture_graph(run)
+    for o in outs:
+        o.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return [o.clone() for o in outs]
+
+
 @pytest.mark.parametrize("t", [1, 6, 64, 300])
 def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
     """PDL launches and L2 prefetch change timing only: bitwise the same outputs as plain launches, for
@@ -503,16 +521,7 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
         for cfg in variants:
             cfg = {**cfg, **extra}
             eager = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
-            outs: list[torch.Tensor] = []
-
-            def all_calls(path: str = path, cfg: dict = cfg, outs: list = outs) -> None:
-                outs[:] = [fused_moe_launch(*a, experts, path=path, config=cfg) for a in calls]
-
-            g = capture_graph(all_calls)  # outs: the captured calls' output buffers, rewritten by each replay
-            for o in outs:
-                o.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
+            outs = _replayed([partial(fused_moe_launch, *a, experts, path=path, config=cfg) for a in calls])
             for i, p in enumerate(plain):
                 assert torch.equal(eager[i], p), (path, cfg, i, "eager")
                 assert torch.equal(outs[i], p), (path, cfg, i, "graph")
@@ -560,16 +569,7 @@ def _check_pairs_tiles(name: str, tiles: list[dict]) -> None:
             cfg = {**tile, "pdl": True, "gu_prefetch": True, "dn_prefetch": True}
             eager = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
             again = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
-            outs: list[torch.Tensor] = []
-
-            def all_calls(cfg: dict = cfg, outs: list = outs, calls: list = calls) -> None:
-                outs[:] = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
-
-            g = capture_graph(all_calls)
-            for o in outs:
-                o.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
+            outs = _replayed([partial(fused_moe_launch, *a, experts, config=cfg) for a in calls])
             for i, p in enumerate(plain):
                 assert torch.equal(eager[i], p), (t, tile, i, "eager")
                 assert torch.equal(again[i], p), (t, tile, i, "again")
@@ -595,13 +595,8 @@ def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:
         for level in (1, 2):
             cfg = {**extra, **{f"{lg}{op}_tma": level for lg in ("", "lg_") for op in ("gu", "dn")}}
             assert torch.equal(fused_moe_launch(x, w, ids, experts, path=path, config=cfg), plain), (path, level)
-            outs: list[torch.Tensor] = []
-            g = capture_graph(lambda cfg=cfg, path=path, outs=outs: outs.append(
-                fused_moe_launch(x, w, ids, experts, path=path, config=cfg)))
-            outs[-1].fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(outs[-1], plain), (path, level, "graph")
+            (out,) = _replayed([partial(fused_moe_launch, x, w, ids, experts, path=path, config=cfg)])
+            assert torch.equal(out, plain), (path, level, "graph")
 
 
 @pytest.mark.parametrize("n,k", [(2048, 3072), (4096, 4096), (16384, 4096), (3072, 1024)])
