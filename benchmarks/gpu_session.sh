@@ -232,6 +232,23 @@ stage_moediag() {  # 1-5 tokens: xmode "diag" (block-diagonal activations, scale
     --variant "dgtma={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false, \"gu_tma\": 2, \"dn_tma\": 2}" \
     --out "$OUT/moediag.json"
 }
+stage_diage2e() {  # moediag's winners (moe_winners.py) put first in this GPU's table: decode steps before, with, before
+  local model=Qwen3.5-35B-A3B-NVFP4 table n
+  [ -f "$OUT/moediag.json" ] || { echo "[diage2e] no moediag.json" | tee -a "$SUMMARY"; return; }
+  run diagwin 60 python3 benchmarks/moe_winners.py "$OUT/moediag.json" --out "$OUT/diag_entries.json"
+  n=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" "$OUT/diag_entries.json" 2>/dev/null)
+  [ "${n:-0}" -gt 0 ] || { echo "[diage2e] no winners" | tee -a "$SUMMARY"; return; }
+  python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
+    && model=Qwen3.5-122B-A10B-NVFP4
+  table=nibble/kernels/tuning/$(gpu_key).json
+  [ -f "$table" ] && cp "$table" /tmp/diag_table_backup.json
+  decode_latency diage2e_before 170 $model
+  run diaginstall 30 python3 benchmarks/install_tuning_entries.py fused_moe "$OUT/diag_entries.json" --prepend
+  cp "$table" "$OUT/diag_table.json"
+  decode_latency diage2e_with 170 $model
+  if [ -f /tmp/diag_table_backup.json ]; then cp /tmp/diag_table_backup.json "$table"; else rm -f "$table"; fi
+  decode_latency diage2e_before2 170 $model
+}
 table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
   python3 -c "
 import json, sys
