@@ -213,41 +213,23 @@ stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mo
       --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
   done
 }
-stage_diagtests() { NIBBLE_TEST_GPU=1 run diagtests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "diag_mode" -p no:cacheprovider -rf --durations=5; }
-stage_moediag() {  # 1-5 tokens: xmode "diag" (block-diagonal activations, scales on the accumulators) on the pairs path against the table
-  local d='"path": "gemv", "xmode": "diag", "block_t": 1'
-  run moediag 300 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens ${MOEDIAG_TOKENS:-1,2,4} --only '^auto$' --reps 40 \
-    --variant "dg={$d, \"gu_block_k\": 256, \"dn_block_k\": 256}" \
-    --variant "dgd128={$d, \"gu_block_k\": 256, \"dn_block_k\": 128}" \
-    --variant "dg128={$d, \"gu_block_k\": 128, \"dn_block_k\": 128}" \
-    --variant "dgn32={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"gu_block_n\": 32, \"gu_warps\": 4}" \
-    --variant "dgs6={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"gu_stages\": 6, \"dn_stages\": 4}" \
-    --variant "dgdn64={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_block_n\": 64, \"dn_warps\": 4}" \
-    --variant "dgred={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_mode\": \"reduce\"}" \
-    --variant "dgpf={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dn_prefetch\": true}" \
-    --variant "dgnsa={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false}" \
-    --variant "dg128nsa={$d, \"gu_block_k\": 128, \"dn_block_k\": 128, \"scales_ahead\": false}" \
-    --variant "dgp={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false, \"dec\": 5}" \
-    --variant "dgpsa={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"dec\": 5}" \
-    --variant "dgtma={$d, \"gu_block_k\": 256, \"dn_block_k\": 256, \"scales_ahead\": false, \"gu_tma\": 2, \"dn_tma\": 2}" \
-    --out "$OUT/moediag.json"
-}
-stage_diage2e() {  # moediag's winners (moe_winners.py) put first in this GPU's table: decode steps before, with, before
-  local model=Qwen3.5-35B-A3B-NVFP4 table n
-  [ -f "$OUT/moediag.json" ] || { echo "[diage2e] no moediag.json" | tee -a "$SUMMARY"; return; }
-  run diagwin 60 python3 benchmarks/moe_winners.py "$OUT/moediag.json" --out "$OUT/diag_entries.json"
-  n=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" "$OUT/diag_entries.json" 2>/dev/null)
-  [ "${n:-0}" -gt 0 ] || { echo "[diage2e] no winners" | tee -a "$SUMMARY"; return; }
+stage_moewin() {  # winners of an earlier stage's moe_bench run ($OUT/$MOEWIN_FROM, moe_winners.py) put first in this GPU's
+  # table: decode steps before, with them, before again
+  local src=$OUT/${MOEWIN_FROM:-moe.json} model=Qwen3.5-35B-A3B-NVFP4 table n
+  [ -f "$src" ] || { echo "[moewin] no $src" | tee -a "$SUMMARY"; return; }
+  run moewin 60 python3 benchmarks/moe_winners.py "$src" --out "$OUT/moewin_entries.json"
+  n=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" "$OUT/moewin_entries.json" 2>/dev/null)
+  [ "${n:-0}" -gt 0 ] || { echo "[moewin] no winners" | tee -a "$SUMMARY"; return; }
   python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
     && model=Qwen3.5-122B-A10B-NVFP4
   table=nibble/kernels/tuning/$(gpu_key).json
-  [ -f "$table" ] && cp "$table" /tmp/diag_table_backup.json
-  decode_latency diage2e_before 170 $model
-  run diaginstall 30 python3 benchmarks/install_tuning_entries.py fused_moe "$OUT/diag_entries.json" --prepend
-  cp "$table" "$OUT/diag_table.json"
-  decode_latency diage2e_with 170 $model
-  if [ -f /tmp/diag_table_backup.json ]; then cp /tmp/diag_table_backup.json "$table"; else rm -f "$table"; fi
-  decode_latency diage2e_before2 170 $model
+  [ -f "$table" ] && cp "$table" /tmp/moewin_table_backup.json
+  decode_latency moewin_before 170 $model
+  run moewin_install 30 python3 benchmarks/install_tuning_entries.py fused_moe "$OUT/moewin_entries.json" --prepend
+  cp "$table" "$OUT/moewin_table.json"
+  decode_latency moewin_with 170 $model
+  if [ -f /tmp/moewin_table_backup.json ]; then cp /tmp/moewin_table_backup.json "$table"; else rm -f "$table"; fi
+  decode_latency moewin_before2 170 $model
 }
 table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
   python3 -c "

@@ -4,7 +4,7 @@ percent with a sound error, one entry for exactly that layer shape and token cou
 table's full configuration there with the variant's fields laid over it (so the entry means the same whatever
 other tables lie under it).
 
-    python benchmarks/moe_winners.py out/moediag.json --out out/moe_entries.json [--min-gain 2] [--only REGEX]
+    python benchmarks/moe_winners.py out/moe.json --out out/moe_entries.json [--min-gain 2] [--only REGEX]
 
 `install_tuning_entries.py fused_moe out/moe_entries.json --prepend` puts them ahead of the table's entries.
 """

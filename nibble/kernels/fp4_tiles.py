@@ -160,7 +160,7 @@ def _decode_asm(mag_base: int, mag_mask: int, op: str) -> str:
     return "\n".join([*lines, "}"])
 
 
-def _decode_cvt_asm(permute: bool = True, scaled: bool = True) -> str:
+def _decode_cvt_asm(permute: bool = True) -> str:
     """PTX (sm_89+) for the same 4 outputs as `_decode_asm`, in fp16, through the e4m3 -> f16x2 converter:
     a byte permute gathers the codes of each output pair 8 bits apart ([b0, b2, b1, b3]: low nibbles hold
     codes 0 and 2, high nibbles codes 1 and 3), and every nibble becomes an e4m3 byte, magnitude in bits
@@ -173,8 +173,7 @@ def _decode_cvt_asm(permute: bool = True, scaled: bool = True) -> str:
     four outputs pair codes of one unit instead of codes 16 bits apart: $0 = (code 0, code 2), $1 = (code 1,
     code 3) of the word's first unit, $2 / $3 the same for its second unit (output t, element 2v + i = code
     c(t, i) of the word, c = 4 * (t // 2) + 2 * i + t % 2); the activations are staged in the matching order
-    (see above). scaled=False leaves the multiply out: four outputs e2m1 * 2^-6 from the word ($4) alone, for
-    the "diag" activation layout, which applies the block scales to its fp32 accumulators."""
+    (see above)."""
     src = "p" if permute else "$4"
     lines = ["{", f".reg .b32 {'p, ' if permute else ''}s, a, e, o, r, m;", ".reg .b16 l, h;"]
     if permute:
@@ -185,41 +184,21 @@ def _decode_cvt_asm(permute: bool = True, scaled: bool = True) -> str:
     for word, (t_lo, t_hi) in (("e", (0, 2)), ("o", (1, 3))):
         lines.append(f"mov.b32 {{l, h}}, {word};")
         for half, t in (("l", t_lo), ("h", t_hi)):
-            if scaled:
-                lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
-            else:
-                lines.append(f"cvt.rn.f16x2.e4m3x2 ${t}, {half};")
+            lines += [f"cvt.rn.f16x2.e4m3x2 r, {half};", f"mul.rn.f16x2 ${t}, r, $5;"]
     return "\n".join([*lines, "}"])
-
-
-def _decode_place_asm() -> str:
-    """PTX for DEC 5 (the "diag" layout only): DEC 4's four unscaled outputs in the same code order, with no
-    converter: each code becomes the high byte of an fp16 holding e2m1 * 2^-14 (sign to bit 7, magnitude to
-    bits 1..3 of the byte: the bottom of the exponent, subnormal codes as fp16 subnormals) and a byte permute
-    puts two such bytes over zero low bytes."""
-    return "\n".join([
-        "{", ".reg .b32 s, a, e, o, m;", "mov.b32 m, 0x0E0E0E0E;", "and.b32 s, $4, 0x88888888;",
-        "shr.b32 a, $4, 3;", "lop3.b32 o, a, s, m, 0xE4;", "shl.b32 a, $4, 1;", "shl.b32 s, s, 4;",
-        "lop3.b32 e, a, s, m, 0xE4;", "prmt.b32 $0, e, 0, 0x1404;", "prmt.b32 $2, e, 0, 0x3424;",
-        "prmt.b32 $1, o, 0, 0x1404;", "prmt.b32 $3, o, 0, 0x3424;", "}"])
 
 
 DECODE_BF16 = tl.constexpr(_decode_asm(6, 0x01C001C0, "bf16x2")) if tl is not None else None
 DECODE_F16 = tl.constexpr(_decode_asm(9, 0x0E000E00, "f16x2")) if tl is not None else None
 DECODE_F16_CVT = tl.constexpr(_decode_cvt_asm()) if tl is not None else None
 DECODE_F16_PAIRS = tl.constexpr(_decode_cvt_asm(permute=False)) if tl is not None else None
-DECODE_F16_CVT_RAW = tl.constexpr(_decode_cvt_asm(scaled=False)) if tl is not None else None
-DECODE_F16_PAIRS_RAW = tl.constexpr(_decode_cvt_asm(permute=False, scaled=False)) if tl is not None else None
-DECODE_F16_PLACE_RAW = tl.constexpr(_decode_place_asm()) if tl is not None else None
 
 
 @triton.jit
 def fp4_acc_scale(DEC: tl.constexpr, X_SHIFT: tl.constexpr):
     """What fp32 accumulators of `fp4_decode4` tiles are multiplied by (with the global scale): the
     decode's 2^8 (2^6 for DEC 3 and 4) times 2^X_SHIFT for activations staged * 2^-X_SHIFT."""
-    if DEC == 5:
-        return 16384.0 * (1 << X_SHIFT)
-    elif DEC >= 3:
+    if DEC >= 3:
         return 64.0 * (1 << X_SHIFT)
     else:
         return 256.0 * (1 << X_SHIFT)
@@ -245,38 +224,6 @@ def _expand_scale(sc, q):
         R: tl.constexpr = q.shape[0]
         U: tl.constexpr = q.shape[1]
         return tl.reshape(tl.broadcast_to(sc[:, :, None], [R, U // 4, 4]), [R, U])
-
-
-@triton.jit
-def fp4_decode4_raw(q, DEC: tl.constexpr):
-    """`fp4_decode4` without the block scales: w_t[.., r, u] = e2m1(code 4u + t) times the decode's power of
-    two (2^-8, 2^-6 for DEC 3 and 4, 2^-14 for DEC 5), in fp16 (DEC 3-5) or fp32 (DEC 0); the "diag"
-    activation layout applies the scales to its fp32 accumulators instead (`w4_k_step`). DEC 1 and 2 multiply
-    by unit scales."""
-    if DEC == 5:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_PLACE_RAW, "=r,=r,=r,=r,r", [q],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
-    elif DEC >= 3:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(DECODE_F16_CVT_RAW if DEC == 3 else DECODE_F16_PAIRS_RAW,
-                                                   "=r,=r,=r,=r,r", [q],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=2)
-    elif DEC == 0:
-        b = q.to(tl.uint16, bitcast=True)
-        w0 = _nibble_f32(b, 0) * 64.0
-        w1 = _nibble_f32(b, 4) * 64.0
-        w2 = _nibble_f32(b, 8) * 64.0
-        w3 = _nibble_f32(b, 12) * 64.0
-    else:
-        UNITS: tl.constexpr = q.shape[len(q.shape) - 1]
-        one = tl.full([UNITS // 4], 0x38, tl.uint8)  # e4m3 1.0
-        if len(q.shape) == 3:
-            ones = tl.broadcast_to(one[None, None, :], [q.shape[0], q.shape[1], UNITS // 4])
-        else:
-            ones = tl.broadcast_to(one[None, :], [q.shape[0], UNITS // 4])
-        w0, w1, w2, w3 = fp4_decode4(q, ones, DEC)
-    return w0, w1, w2, w3
 
 
 @triton.jit

@@ -13,11 +13,10 @@ NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_u
 routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one small extra launch;
 "fused" = done by the down kernel's last program per token and slice, `gemv` path only; "token" = a per-token down
 kernel that loops over the k experts). `xmode` picks how the activations meet the weights' stride-4 K slices
-("split", "quad", "perm", and on the `gemv` path "diag": see moe_w4.py), `block_t` the token slots per block of the
-sorted path (and in quad and diag mode of the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer
-slots make narrower MMAs), `cvt_decode` (default on) whether sm_89+ GPUs decode through the e4m3 converter in
-fp16 (fp4_tiles.py, DEC 3; DEC 4, without its byte permute, in quad, split and diag mode: `pair_decode`; `dec` 5,
-diag mode only, places the codes as fp16 bytes without the converter). Dense experts run the older per-pair GEMV
+("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per block of the sorted path (and in quad mode of
+the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer slots make narrower MMAs), `cvt_decode`
+(default on) whether sm_89+ GPUs decode through the e4m3 converter in fp16 (fp4_tiles.py, DEC 3; DEC 4, without
+its byte permute, in quad and split mode: `pair_decode`). Dense experts run the older per-pair GEMV
 (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4
 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.
@@ -49,7 +48,6 @@ from nibble.kernels.moe_align import moe_align, moe_align_split
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
 from nibble.kernels.moe_w4 import (
-    DIAG,
     PERM,
     QUAD,
     SPLIT,
@@ -61,7 +59,7 @@ from nibble.kernels.moe_w4 import (
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
-from nibble.kernels.w4_stage import stage_x, stage_x_diag
+from nibble.kernels.w4_stage import stage_x
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DN_MODES = ("reduce", "fused", "token")  # the pairs path's down + top-k sum (module docstring)
@@ -200,27 +198,15 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
         flat = ids.view(-1)
         xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
-        slots = min(max(int(cfg["block_t"]), 1), 4) if xmode in (QUAD, DIAG) else 16
+        slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
-        diag = xmode == DIAG
-        if diag:
-            _check_diag(h, inter, gbk, dbk, mode)
-            if dec == 5 and not (staged and h % 8 == 0 and inter % 8 == 0 and gbn % 8 == 0):
-                raise ValueError("fused_moe: dec 5 needs bf16 activations, K and gu_block_n multiples of 8")
-            xs = stage_x_diag(x, adt, xsh, gbk // 16, pairs=dec in (4, 5), pdl_trigger=pdl)
-        elif dec == 5:
-            raise ValueError("fused_moe: dec 5 (no block-scale multiply) runs in xmode 'diag' only")
-        else:
-            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
-        act_ng = dbk // 16 if diag else 0
-        ahead = bool(cfg.get("scales_ahead", True))  # diag: each step's block scales loaded a step ahead
-        act = torch.empty((t * top_k, inter * max(act_ng, 1)), dtype=adt, device=x.device)
+        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
+        act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
-            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec in (4, 5),
-            DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, ACT_NG=act_ng,
-            SCALES_AHEAD=ahead, **gkw,
-            **_pdl_launch(pdl and (staged or diag)), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
+            st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
+            DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
+            **_pdl_launch(pdl and staged), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
@@ -234,15 +220,12 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None,
-            SCALES_AHEAD=ahead, **dpdl, **dkw,
+            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
             **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK=1024, num_warps=4, **rkw)
         return
-    if base["xmode"] == DIAG or (cfg.get("mixed_max_pairs", 0) and cfg.get("lg_xmode") == "diag"):
-        raise ValueError("fused_moe: xmode 'diag' runs on the gemv path only")
     tiles = [base]
     split = int(cfg.get("mixed_max_pairs", 0))
     if split > 0:
@@ -298,17 +281,6 @@ def _xmode(cfg: dict[str, Any], prefix: str) -> int:
     return XMODES[name]
 
 
-def _check_diag(h: int, inter: int, gbk: int, dbk: int, mode: str) -> None:
-    """xmode "diag" needs K steps of whole scale groups, at least 8 of them (the MMA's 8 columns for one token
-    slot), and a down kernel that reads act as gate_up writes it."""
-    if mode not in ("reduce", "fused"):
-        raise ValueError(f"fused_moe: xmode 'diag' needs dn_mode 'reduce' or 'fused', got {mode!r}")
-    for name, bk, k in (("gu_block_k", gbk, h), ("dn_block_k", dbk, inter)):
-        if bk % 16 or (bk < 128 and not interpreting()) or k % 16:
-            raise ValueError(f"fused_moe: xmode 'diag' needs {name} a multiple of 16 (at least 128 on the GPU) "
-                             f"and K a multiple of 16, got {name} {bk} for K = {k}")
-
-
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
     """The gate_up and down tiles from the tuning fields under `prefix`, with the sorted path's x mode and
     token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
@@ -328,7 +300,7 @@ def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: 
     """DEC 4 (the converter decode without its byte permute, fp4_tiles.py) in quad and split mode where the
     activations are staged anyway (bf16 -> fp16), so can be staged in the order it needs: x by `stage_x`,
     act by gate_up's row order (tuning field `pair_decode`, default on)."""
-    ok = staged and xmode in (QUAD, SPLIT, DIAG) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
+    ok = staged and xmode in (QUAD, SPLIT) and h % 8 == 0 and inter % 8 == 0 and block_n % 8 == 0
     return 4 if dec == 3 and ok and cfg.get("pair_decode", True) else dec
 
 

@@ -19,11 +19,6 @@ activations must be sliced the same way. How (constexpr XMODE):
   (`stage_x` for x; gate_up writes its output that way for down), so each slice is a contiguous
   [BLOCK_K/4, tokens] tile: no wasted MMA columns.
 - 2, "split": the natural activation tile is split into the 4 slices in registers (`x_split4`).
-- 3, "diag" (pairs path): the weights are decoded without their block scales; each token slot spans
-  BLOCK_K / 16 columns, one per scale group of the K step, and its activations are stored block-diagonally
-  (`w4_stage.stage_x_diag`; gate_up writes act that way, ACT_NG), so the fp32 product's columns are the
-  groups' partial dot products, which the block scales then multiply: no packed multiply per two weights,
-  and one token fills the MMA's 8 or 16 columns (w4_steps.py).
 
 Rows of a program ("blocks"):
 - pairs mode (SORTED = False, small decode batches): block p is pair p alone, no sorting launch;
@@ -42,18 +37,17 @@ from __future__ import annotations
 from nibble.kernels._triton import tl, triton
 from nibble.kernels.fp4_tiles import fp4_acc_scale
 from nibble.kernels.pdl import pdl_handoff, prefetch_rows
-from nibble.kernels.w4_stage import diag_cols, diag_values, f16_range, pairs_col
-from nibble.kernels.w4_steps import w4_diag_scales, w4_finish, w4_k_step, w4_scale_tile, w4_tile
+from nibble.kernels.w4_stage import f16_range, pairs_col
+from nibble.kernels.w4_steps import w4_finish, w4_k_step, w4_scale_tile, w4_tile
 
-QUAD, PERM, SPLIT, DIAG = 0, 1, 2, 3
-XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT, "diag": DIAG}
+QUAD, PERM, SPLIT = 0, 1, 2
+XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
 @triton.constexpr_function
-def _rep(xmode, block_k):
-    """Activation columns per token slot: 4 in quad mode (XMODE 0), one per scale group of a K step in diag
-    mode (XMODE 3), else 1."""
-    return 4 if xmode == 0 else (block_k // 16 if xmode == 3 else 1)
+def _rep(xmode):
+    """Activation columns per token slot: 4 in quad mode (one per K slice), else 1."""
+    return 4 if xmode == 0 else 1
 
 
 @triton.jit
@@ -140,8 +134,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
                           PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, q_desc=None,
-                          s_desc=None, TMA: tl.constexpr = 0, ACT_NG: tl.constexpr = 0,
-                          SCALES_AHEAD: tl.constexpr = True):
+                          s_desc=None, TMA: tl.constexpr = 0):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
@@ -150,10 +143,8 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     activations, see `stage_x`). PREFETCH: first ask for the program's weight rows in L2 (pdl.py); PDL_WAIT:
     launched with PDL right after `stage_x` (ids and the sorted blocks are older, so they are read before the
     wait); PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a stacked descriptor
-    of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc. ACT_NG > 0: act
-    rows are written as the "diag" operand of a down kernel with ACT_NG scale groups per K step
-    (`w4_stage.stage_x_diag`'s layout), 4 * (I/4) * ACT_NG values per row."""
-    REP: tl.constexpr = _rep(XMODE, BLOCK_K)
+    of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
+    REP: tl.constexpr = _rep(XMODE)
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
@@ -167,17 +158,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
         return
     act, pr, ok = gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k, hidden, inter,
                                 stride_xt, stride_qe, stride_qn, stride_se, stride_sn, SORTED, XMODE, ACT_PAIRS, DEC,
-                                EVEN_K, SLOTS, BLOCK_N, BLOCK_K, X_SHIFT, q_desc, s_desc, TMA, SCALES_AHEAD)
+                                EVEN_K, SLOTS, BLOCK_N, BLOCK_K, X_SHIFT, q_desc, s_desc, TMA)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ACT_PAIRS and TMA:
         n = pairs_col(n)
-    if ACT_NG > 0:
-        v = diag_values(act.to(act_ptr.dtype.element_ty), n[:, None], ACT_NG)
-        tl.store(act_ptr + pr.to(tl.int64)[None, :, None] * stride_at + diag_cols(n[:, None], inter, ACT_NG), v,
-                 mask=(n < inter)[:, None, None] & ok[None, :, None])
-    else:
-        tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
-                 act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
+    tl.store(act_ptr + pr.to(tl.int64)[None, :] * stride_at + _act_col(n, inter, ACT_PERM)[:, None],
+             act.to(act_ptr.dtype.element_ty), mask=(n < inter)[:, None] & ok[None, :])
 
 
 @triton.jit
@@ -185,12 +171,12 @@ def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k,
                   stride_qe, stride_qn, stride_se, stride_sn, SORTED: tl.constexpr, XMODE: tl.constexpr,
                   ACT_PAIRS: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr, q_desc, s_desc,
-                  TMA: tl.constexpr, SCALES_AHEAD: tl.constexpr = True):
+                  TMA: tl.constexpr):
     """(act fp32 [BLOCK_N, SLOTS], pr [SLOTS], ok [SLOTS]): silu(gate) * up of feature slice program_id(1)
     for the block (e >= 0, pair, valid from `_block`), times 2^-X_SHIFT and clamped to the fp16 range when
     X_SHIFT; the epilogue's pairs from `_out_pairs`. With ACT_PAIRS and no TMA, row i holds feature
     pairs_col(n0 + i), so stored in column n0 + i it lands where DEC 4 wants it (`moe_w4_gate_up_kernel`)."""
-    REP: tl.constexpr = _rep(XMODE, BLOCK_K)
+    REP: tl.constexpr = _rep(XMODE)
     NCOL: tl.constexpr = SLOTS * REP
     e64 = e.to(tl.int64)
     # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
@@ -213,19 +199,13 @@ def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k,
     acc1 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
-    if XMODE == 3 and SCALES_AHEAD:
-        s_next = w4_diag_scales(s_rows, 0, hidden, BLOCK_K, EVEN_K)
     for k0 in range(0, hidden, BLOCK_K):
         q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, hidden, 2 * BLOCK_N, BLOCK_K, EVEN_K, TMA,
                             True)
-        if XMODE == 3 and SCALES_AHEAD:
-            s = s_next
-            s_next = w4_diag_scales(s_rows, k0 + BLOCK_K, hidden, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, hidden, acc0, acc1, acc2, acc3, hidden // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)
-    h = w4_finish(acc0, acc1, acc2, acc3, XMODE, BLOCK_K // 16)
-    h *= (tl.load(g_ptr + e64 * 2 * inter + rows) * acc_scale)[:, None]
+    h = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * 2 * inter + rows) * acc_scale)[:, None]
     hg, hu = tl.split(tl.permute(tl.reshape(h, [2, BLOCK_N, SLOTS]), 1, 2, 0))
     act = hg * tl.sigmoid(hg) * hu
     if X_SHIFT != 0:
@@ -240,8 +220,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
                        SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
                        X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
-                       PDL_TRIGGER: tl.constexpr = False, q_desc=None, s_desc=None, TMA: tl.constexpr = 0,
-                       SCALES_AHEAD: tl.constexpr = True):
+                       PDL_TRIGGER: tl.constexpr = False, q_desc=None, s_desc=None, TMA: tl.constexpr = 0):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
     (w2 as units [E, H, I/4], scales [E, H, I/16], global [E, H]); y: fp32 or activation dtype [pairs, H].
     PREFETCH / PDL_WAIT / PDL_TRIGGER as in `moe_w4_gate_up_kernel` (launched with PDL after gate_up: the
@@ -251,7 +230,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     FUSED_SUM (pairs mode): after writing y, each program counts itself in sem[token, slice]; the one that
     completes the token's live pairs sums its k rows of y in order j = 0..k-1 into out and re-arms the
     counter to 0 (so it is zero again for the next call). A token without live pairs gets zeros."""
-    REP: tl.constexpr = _rep(XMODE, BLOCK_K)
+    REP: tl.constexpr = _rep(XMODE)
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -287,19 +266,13 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     acc1 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
-    if XMODE == 3 and SCALES_AHEAD:
-        s_next = w4_diag_scales(s_rows, 0, inter, BLOCK_K, EVEN_K)
     for k0 in range(0, inter, BLOCK_K):
         q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, tl.program_id(1) * BLOCK_N, k0, inter, BLOCK_N,
                             BLOCK_K, EVEN_K, TMA, False)
-        if XMODE == 3 and SCALES_AHEAD:
-            s = s_next
-            s_next = w4_diag_scales(s_rows, k0 + BLOCK_K, inter, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, inter, acc0, acc1, acc2, acc3, inter // 4,
                                          XMODE, DEC, BLOCK_K, EVEN_K)
     acc_scale = fp4_acc_scale(DEC, X_SHIFT)
-    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE, BLOCK_K // 16)
-    acc *= (tl.load(g_ptr + e64 * hidden + nc) * acc_scale)[:, None]
+    acc = w4_finish(acc0, acc1, acc2, acc3, XMODE) * (tl.load(g_ptr + e64 * hidden + nc) * acc_scale)[:, None]
     acc *= tw[None, :]
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=(n < hidden)[:, None] & ok[None, :])

@@ -4,8 +4,8 @@ side in one of the layouts (XMODE) moe_w4.py describes; the tile loaders and the
 
 from __future__ import annotations
 
-from nibble.kernels._triton import e4m3_to_f32, tl, triton
-from nibble.kernels.fp4_tiles import fp4_decode4, fp4_decode4_raw
+from nibble.kernels._triton import tl, triton
+from nibble.kernels.fp4_tiles import fp4_decode4
 
 
 @triton.jit
@@ -76,17 +76,14 @@ def w4_k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, 
     """One K step: decode the weight tile and accumulate it against the activations. b_ptr: [N] activation
     row pointers per MMA column (quad) or per token (perm, split). Quad mode uses the four accumulators
     (one per slice), the others only acc0. n_rows_perm: K / 4 (perm mode: distance between slices)."""
-    if XMODE == 3:
-        acc0 = _diag_step(q, s, b_ptr, valid, k0, n_k, acc0, DEC, BLOCK_K, EVEN_K)
-    elif XMODE == 0:
-        w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
+    w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
+    if XMODE == 0:
         b = w4_b_quad(b_ptr, valid, k0, n_k, BLOCK_K, EVEN_K)
         acc0 = w4_dot(w0, b, acc0, DEC)
         acc1 = w4_dot(w1, b, acc1, DEC)
         acc2 = w4_dot(w2, b, acc2, DEC)
         acc3 = w4_dot(w3, b, acc3, DEC)
     elif XMODE == 1:
-        w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
         u = tl.arange(0, BLOCK_K // 4)
         p = b_ptr[None, :] + (k0 // 4 + u)[:, None]
         m = valid[None, :]
@@ -97,7 +94,6 @@ def w4_k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, 
         acc0 = w4_dot(w2, tl.load(p + 2 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
         acc0 = w4_dot(w3, tl.load(p + 3 * n_rows_perm, mask=m, other=0.0), acc0, DEC)
     else:
-        w0, w1, w2, w3 = fp4_decode4(q, s, DEC)
         kk = k0 + tl.arange(0, BLOCK_K)
         m = valid[:, None]
         if not EVEN_K:
@@ -111,61 +107,9 @@ def w4_k_step(q, s, b_ptr, valid, k0, n_k, acc0, acc1, acc2, acc3, n_rows_perm, 
 
 
 @triton.jit
-def _diag_step(q, s, b_ptr, valid, k0, n_k, acc, DEC: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """XMODE 3 ("diag"): the weights are decoded without their block scales and each token's activations
-    enter the MMA as a block-diagonal operand, so column j * NG + c of the product is token slot j's dot
-    product with scale group c of this step alone (NG = BLOCK_K / 16 groups); the fp32 block scales then
-    multiply those columns: R x SLOTS x NG multiplies per step instead of a packed multiply per two weights,
-    and the MMA columns that one token leaves empty in the other layouts carry the groups. The operand is
-    loaded as it is stored (`w4_stage.stage_x_diag`): b_ptr [SLOTS * NG] holds column j * NG + c's row base,
-    the row holds slice t's unit u in columns c of [t, u, c] (zeros off the unit's group). s: the step's
-    scales from `w4_diag_scales`."""
-    NG: tl.constexpr = BLOCK_K // 16
-    U: tl.constexpr = BLOCK_K // 4
-    R: tl.constexpr = q.shape[0]
-    N: tl.constexpr = b_ptr.shape[0]
-    w0, w1, w2, w3 = fp4_decode4_raw(q, DEC)
-    row = k0 // 4 + tl.arange(0, U)
-    p = b_ptr[None, :] + (row * NG)[:, None] + (tl.arange(0, N) % NG)[None, :]
-    m = valid[None, :]
-    if not EVEN_K:
-        m = m & (row < n_k // 4)[:, None]
-    sl = (n_k // 4) * NG
-    d = tl.zeros([R, N], tl.float32)
-    d = w4_dot(w0, tl.load(p, mask=m, other=0.0), d, DEC)
-    d = w4_dot(w1, tl.load(p + sl, mask=m, other=0.0), d, DEC)
-    d = w4_dot(w2, tl.load(p + 2 * sl, mask=m, other=0.0), d, DEC)
-    d = w4_dot(w3, tl.load(p + 3 * sl, mask=m, other=0.0), d, DEC)
-    if DEC >= 3:
-        sc = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        sc = e4m3_to_f32(s)
-    sc = tl.reshape(tl.broadcast_to(sc[:, None, :], [R, N // NG, NG]), [R, N])
-    return acc + d * sc
-
-
-@triton.jit
-def w4_diag_scales(s_rows, k0, n_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The block scales [R, BLOCK_K / 16] (uint8) of the "diag" step at k0. The kernels load them a step ahead
-    (the pipeliner only stages a dot's operands), so k0 may be n_k: with EVEN_K that load reads the last
-    step's scales again (one unmasked vector load per row), otherwise groups past n_k read 0."""
-    if EVEN_K:
-        g = tl.minimum(k0, n_k - BLOCK_K) // 16 + tl.arange(0, BLOCK_K // 16)
-        return tl.load(s_rows[:, None] + g[None, :])
-    else:
-        g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        return tl.load(s_rows[:, None] + g[None, :], mask=(g < n_k // 16)[None, :], other=0)
-
-
-@triton.jit
-def w4_finish(acc0, acc1, acc2, acc3, XMODE: tl.constexpr, NG: tl.constexpr = 1):
-    """[M, N] accumulators -> [M, token slots]: quad mode picks column 4j + t of accumulator t, diag mode
-    sums each slot's NG scale-group columns."""
-    if XMODE == 3:
-        M: tl.constexpr = acc0.shape[0]
-        N: tl.constexpr = acc0.shape[1]
-        return tl.sum(tl.reshape(acc0, [M, N // NG, NG]), axis=2)
-    elif XMODE == 0:
+def w4_finish(acc0, acc1, acc2, acc3, XMODE: tl.constexpr):
+    """[M, N] accumulators -> [M, token slots]: quad mode picks column 4j + t of accumulator t."""
+    if XMODE == 0:
         M: tl.constexpr = acc0.shape[0]
         N: tl.constexpr = acc0.shape[1]
         c = (tl.arange(0, N) % 4)[None, :]

@@ -160,8 +160,7 @@ def main() -> int:
         dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
-                 {"xmode": "perm", "block_t": 64},
-                 {"xmode": "diag", "block_t": 1, "gu_block_k": 256, "dn_block_k": 128, "dn_mode": "fused"}]
+                 {"xmode": "perm", "block_t": 64}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
@@ -171,8 +170,6 @@ def main() -> int:
                     decs = [{}, {"dec": 3}] if experts is w4 and cc >= 89 else [{}]
                     for dt, dec in ((dt, dec) for dt in dtypes for dec in decs):
                         for path, t in (("gemv", 2), ("sorted", 40)):
-                            if mode.get("xmode") == "diag" and (path != "gemv" or cfg.get("path") != "gemv"):
-                                continue  # the pairs path only, with the small-batch entries' tiles
                             attempt(f"{op} {path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
                                     torch.randn(t, h, dtype=dt), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32),
                                     experts, path=path, config={**cfg, **mode, **dec})

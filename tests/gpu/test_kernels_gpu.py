@@ -527,55 +527,6 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
                 assert torch.equal(outs[i], p), (path, cfg, i, "graph")
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_fused_moe_diag_mode(name: str) -> None:
-    """xmode "diag" (block-diagonal activations, block scales on the accumulators, fp4_tiles.py) on the real
-    layer shapes at 1-4 tokens: 16 and 8 scale groups per K step, 1 and 2 token slots, the fused top-k sum and
-    the reduce launch, both decodes, TMA. See `_check_pairs_tiles`."""
-    base = {"path": "gemv", "xmode": "diag"}
-    _check_pairs_tiles(name, [
-        {**base, "block_t": 1, "gu_block_k": 256, "dn_block_k": 256, "dn_mode": "fused"},
-        {**base, "block_t": 1, "gu_block_k": 128, "dn_block_k": 128, "dn_mode": "reduce"},
-        {**base, "block_t": 2, "gu_block_n": 32, "gu_warps": 4, "gu_block_k": 256, "dn_block_k": 128,
-         "dn_block_n": 64, "dn_warps": 4, "dn_mode": "fused"},
-        # the scales read in the step (not a step ahead), the byte-placement decode (DEC 5), TMA weight tiles
-        {**base, "block_t": 1, "gu_block_k": 256, "dn_block_k": 256, "scales_ahead": False, "dec": 5},
-        {**base, "block_t": 1, "gu_block_k": 256, "dn_block_k": 256, "scales_ahead": False, "gu_tma": 2,
-         "dn_tma": 2}])
-
-
-def _check_pairs_tiles(name: str, tiles: list[dict]) -> None:
-    """Each pairs-path tile at 1, 2 and 4 tokens: the reference result with expert id -1 slots and a token
-    routed nowhere, the same bits for PDL / prefetch on and off, eagerly and replayed from a CUDA graph on new
-    inputs (a misplaced wait would read the previous call's activations), and for repeated calls."""
-    c = config(name)
-    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
-    for t in (1, 2, 4):
-        calls = []
-        for i in range(3):
-            w, ids = route_ref(torch.randn(t, e, device=DEV), k)
-            ids[0, i % k] = -1
-            if t > 1 and i == 1:
-                ids[t - 1, :] = -1
-            calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
-        for tile in tiles:
-            plain = [fused_moe_launch(*a, experts, config={**tile, "pdl": False}) for a in calls]
-            for (x, w, ids), p in zip(calls, plain):
-                err = rel(p, fused_moe_ref(x.float(), w, ids, experts))
-                assert err < TOL, (t, tile, err)
-            if t > 1:
-                assert float(plain[1][t - 1].float().abs().max()) == 0.0
-            cfg = {**tile, "pdl": True, "gu_prefetch": True, "dn_prefetch": True}
-            eager = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
-            again = [fused_moe_launch(*a, experts, config=cfg) for a in calls]
-            outs = _replayed([partial(fused_moe_launch, *a, experts, config=cfg) for a in calls])
-            for i, p in enumerate(plain):
-                assert torch.equal(eager[i], p), (t, tile, i, "eager")
-                assert torch.equal(again[i], p), (t, tile, i, "again")
-                assert torch.equal(outs[i], p), (t, tile, i, "graph")
-
-
 @pytest.mark.parametrize("name", ["122B", "397B"])
 @pytest.mark.parametrize("t", [1, 6, 64, 300])
 def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:

@@ -15,7 +15,7 @@ from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
 from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
 from nibble.kernels.tma import w4_descriptors
-from nibble.kernels.w4_stage import stage_x, stage_x_diag
+from nibble.kernels.w4_stage import stage_x
 
 E, H, I, K = 6, 64, 48, 3
 # the mixed sorted path: experts with up to 2 pairs in quad-4 blocks, the others in split-16 blocks
@@ -122,11 +122,7 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
     ("gemv", {"xmode": "quad", "block_t": 2, "dn_mode": "reduce"}),
     ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
     ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False}),
-    ("sorted", {"xmode": "quad", "block_t": 4, **MIXED}),
-    # block-diagonal activations, block scales on the accumulators: 1 and 2 slots, 8 and 2 scale groups per step
-    ("gemv", {"xmode": "diag", "block_t": 1, "dn_mode": "fused"}),
-    ("gemv", {"xmode": "diag", "block_t": 2, "dn_mode": "reduce", "gu_block_k": 32, "dn_block_k": 32}),
-    ("gemv", {"xmode": "diag", "block_t": 4, "dn_mode": "fused", "gu_block_k": 64, "dn_block_k": 16})])
+    ("sorted", {"xmode": "quad", "block_t": 4, **MIXED})])
 def test_fused_moe_variants(path: str, cfg: dict) -> None:
     experts = _experts(True)
     x = torch.randn(3, H)
@@ -164,7 +160,6 @@ def test_fused_moe_chunked_and_tiles(path: str, cfg: dict) -> None:
 @pytest.mark.parametrize("fp4,path,cfg", [
     (True, "gemv", {"xmode": "quad", "dn_mode": "fused"}), (True, "gemv", {"xmode": "split", "dn_mode": "reduce"}),
     (True, "gemv", {"dn_mode": "token"}),
-    (True, "gemv", {"xmode": "diag", "block_t": 1, "dn_mode": "fused"}),
     (True, "sorted", {"xmode": "quad", "block_t": 4}),
     (True, "sorted", {"xmode": "perm", "block_t": 16}), (True, "sorted", {"xmode": "split", "block_t": 16}),
     (True, "generic_gemv", {}), (True, "generic_sorted", {}), (False, "gemv", {}), (False, "sorted", {}),
@@ -234,14 +229,8 @@ def test_fused_moe_rejects_bad_shapes() -> None:
         fused_moe_launch(torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts,
                          path="gemv", config={"dn_mode": "slices"})
     args = (torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts)
-    with pytest.raises(ValueError, match="gemv path only"):
-        fused_moe_launch(*args, path="sorted", config={"xmode": "diag"})
-    with pytest.raises(ValueError, match="gu_block_k a multiple of 16"):
-        fused_moe_launch(*args, path="gemv", config={"xmode": "diag", "gu_block_k": 40})
     with pytest.raises(ValueError, match="xmode 'quads' is not one of"):
         fused_moe_launch(*args, path="gemv", config={"xmode": "quads"})
-    with pytest.raises(ValueError, match="needs dn_mode"):
-        fused_moe_launch(*args, path="gemv", config={"xmode": "diag", "dn_mode": "token"})
 
 
 @pytest.mark.parametrize("order", ["natural", "permute", "pairs"])
@@ -269,22 +258,3 @@ def test_stage_x(order: str) -> None:
     with pytest.raises(ValueError, match="multiple of 8"):
         stage_x(x[:, :k - 4], torch.float16, shift, False, pairs=True)
 
-
-@pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("num_groups", [1, 8, 16])
-def test_stage_x_diag(pairs: bool, num_groups: int) -> None:
-    """The "diag" operand: position p (DEC 4's order with pairs) of x * 2^-shift in row slice p % 4, unit p // 4,
-    column (p // 16) mod num_groups of that unit's num_groups, every other column zero; K off the block size."""
-    t, k, shift = 3, 16 * 21, 4
-    x = torch.randn(t, k, dtype=torch.bfloat16) * 100
-    x[0, 5] = 3e6
-    out = stage_x_diag(x, torch.float16, shift, num_groups, pairs=pairs)
-    staged = (x.float() / 2 ** shift).clamp(-65504, 65504).to(torch.float16)
-    if pairs:
-        staged = staged.view(t, k // 8, 2, 2, 2).transpose(2, 3).reshape(t, k)
-    ref = torch.zeros(t, 4, k // 4, num_groups, dtype=torch.float16)
-    p = torch.arange(k)
-    ref[:, p % 4, p // 4, (p // 16) % num_groups] = staged
-    assert torch.equal(out, ref.view(t, -1))
-    with pytest.raises(ValueError, match="multiple of 16"):
-        stage_x_diag(x[:, :k - 8], torch.float16, shift, num_groups)
