@@ -20,6 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nibble.kernels.fused_moe import tuning_key
 from nibble.kernels.tuning_tables import lookup
 
 MAX_ERR = 2e-2  # moe_bench flags larger relative errors as BAD
@@ -43,8 +44,7 @@ def winners(result: dict[str, Any], models: dict[str, dict[str, int]], device: s
         if gain < min_gain:
             continue
         m = models[model]
-        key = {"tokens": t, "fp4": True, "hidden": m["hidden"], "inter": m["inter"], "experts": m["experts"],
-               "top_k": m["top_k"], "pairs_per_expert": t * m["top_k"] / m["experts"]}
+        key = tuning_key(t, m["hidden"], m["inter"], m["experts"], m["top_k"], fp4=True)
         when = {f: key[f] for f in ("tokens", "hidden", "inter", "experts", "top_k")}
         config = {**lookup("fused_moe", device, key), **best["config"]}
         entries.append({"when": when, "config": config,

@@ -99,6 +99,13 @@ def fused_moe_generic(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     return fused_moe_launch(x, topk_weights, topk_ids, experts, path="generic_auto")
 
 
+def tuning_key(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, fp4: bool) -> dict[str, Any]:
+    """The fields a `fused_moe` call looks its tuning-table entry up by (benchmarks/moe_winners.py writes entries
+    for them)."""
+    return {"tokens": tokens, "fp4": fp4, "hidden": hidden, "inter": inter, "experts": num_experts, "top_k": top_k,
+            "pairs_per_expert": tokens * top_k / num_experts}
+
+
 def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
                      *, path: str = "auto", config: dict[str, Any] | None = None) -> torch.Tensor:
     """`fused_moe` with the path ('auto', 'gemv', 'sorted', 'generic_gemv', 'generic_sorted') and tuning
@@ -129,8 +136,7 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         return out
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
-    key = {"tokens": t, "fp4": fp4, "hidden": h, "inter": inter, "experts": e, "top_k": top_k,
-           "pairs_per_expert": t * top_k / e}
+    key = tuning_key(t, h, inter, e, top_k, fp4)
     generic = path.startswith("generic_") or not fp4
     cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
     cfg.update(config or {})

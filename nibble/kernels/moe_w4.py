@@ -44,12 +44,6 @@ QUAD, PERM, SPLIT = 0, 1, 2
 XMODES = {"quad": QUAD, "perm": PERM, "split": SPLIT}
 
 
-@triton.constexpr_function
-def _rep(xmode):
-    """Activation columns per token slot: 4 in quad mode (one per K slice), else 1."""
-    return 4 if xmode == 0 else 1
-
-
 @triton.jit
 def _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED: tl.constexpr, SLOTS: tl.constexpr, REP: tl.constexpr):
     """(expert, pair [SLOTS * REP], valid [SLOTS * REP]) of this program's block; entry i is token slot
@@ -144,7 +138,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     launched with PDL right after `stage_x` (ids and the sorted blocks are older, so they are read before the
     wait); PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a stacked descriptor
     of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
-    REP: tl.constexpr = _rep(XMODE)
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
@@ -176,7 +170,7 @@ def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k,
     for the block (e >= 0, pair, valid from `_block`), times 2^-X_SHIFT and clamped to the fp16 range when
     X_SHIFT; the epilogue's pairs from `_out_pairs`. With ACT_PAIRS and no TMA, row i holds feature
     pairs_col(n0 + i), so stored in column n0 + i it lands where DEC 4 wants it (`moe_w4_gate_up_kernel`)."""
-    REP: tl.constexpr = _rep(XMODE)
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e64 = e.to(tl.int64)
     # gate rows n and up rows I + n of this feature slice, stacked: one [2 * BLOCK_N] weight tile
@@ -230,7 +224,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     FUSED_SUM (pairs mode): after writing y, each program counts itself in sem[token, slice]; the one that
     completes the token's live pairs sums its k rows of y in order j = 0..k-1 into out and re-arms the
     counter to 0 (so it is zero again for the next call). A token without live pairs gets zeros."""
-    REP: tl.constexpr = _rep(XMODE)
+    REP: tl.constexpr = 4 if XMODE == 0 else 1
     NCOL: tl.constexpr = SLOTS * REP
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -257,4 +257,3 @@ def test_stage_x(order: str) -> None:
         stage_x(x, torch.float16, shift, permute, out=torch.empty(t, k, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 8"):
         stage_x(x[:, :k - 4], torch.float16, shift, False, pairs=True)
-
