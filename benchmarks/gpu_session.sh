@@ -213,9 +213,60 @@ stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mo
       --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
   done
 }
+stage_moebt8() {  # 1-8 tokens of the three layers: the table against 1 or 2 token slots per program (block_t), twice
+  local v
+  for v in a b; do
+    run moebt8$v 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3,4,5,6,7,8 --only '^auto$' \
+      --reps 40 --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt8$v.json"
+  done
+}
+stage_moegemvbt() {  # 3-16 tokens: the table against the per-pair path with 1 or 2 token slots and the sorted path with 2
+  local g='"path": "gemv", "xmode": "quad", "gu_block_n": 16, "gu_block_k": 256, "gu_warps": 2, "gu_stages": 4, "dn_mode": "reduce", "dn_block_n": 32, "dn_block_k": 256, "dn_warps": 2, "dn_stages": 3'
+  run moegemvbt 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens ${MOEGEMV_TOKENS:-3,6,7,8,10,12,16} --only '^auto$' \
+    --reps 40 --variant "gemv2={$g, \"block_t\": 2}" --variant "gemv1={$g, \"block_t\": 1}" \
+    --variant 'srt2={"block_t": 2}' --out "$OUT/moegemvbt.json"
+}
+stage_moebt2tiles() {  # 1-5 tokens: per-pair tiles again with 2 token slots (warps, widths, pipeline depths)
+  local b='"block_t": 2'
+  run moebt2tiles 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3,4,5 --only '^auto$' --reps 40 \
+    --variant "g32w4={$b, \"gu_block_n\": 32, \"gu_warps\": 4}" --variant "gw1={$b, \"gu_warps\": 1}" \
+    --variant "gw4={$b, \"gu_warps\": 4}" --variant "gs3={$b, \"gu_stages\": 3}" --variant "gs6={$b, \"gu_stages\": 6}" \
+    --variant "d64w4={$b, \"dn_block_n\": 64, \"dn_warps\": 4}" --variant "dw1={$b, \"dn_warps\": 1}" \
+    --variant "dk128={$b, \"dn_block_k\": 128, \"dn_stages\": 4}" --variant "dk256={$b, \"dn_block_k\": 256, \"dn_stages\": 3}" \
+    --variant "fused={$b, \"dn_mode\": \"fused\"}" --variant "reduce={$b, \"dn_mode\": \"reduce\"}" \
+    --out "$OUT/moebt2tiles.json"
+}
+stage_moet1tiles() {  # 1-3 tokens: down's K step and the tiles around the 1-token winner (2 slots, BLOCK_K 256 for down)
+  local b='"block_t": 2' d='"dn_block_k": 256, "dn_stages": 3'
+  run moet1tiles 240 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3 --only '^auto$' --reps 40 \
+    --variant "dk512={$b, \"dn_block_k\": 512, \"dn_stages\": 2}" --variant "dk256s4={$b, \"dn_block_k\": 256, \"dn_stages\": 4}" \
+    --variant "dk256s2={$b, \"dn_block_k\": 256, \"dn_stages\": 2}" --variant "dk256gs3={$b, $d, \"gu_stages\": 3}" \
+    --variant "dk256d64w4={$b, $d, \"dn_block_n\": 64, \"dn_warps\": 4}" --variant "dk256dw1={$b, $d, \"dn_warps\": 1}" \
+    --variant "dk256reduce={$b, $d, \"dn_mode\": \"reduce\"}" --variant "dk256g32w4={$b, $d, \"gu_block_n\": 32, \"gu_warps\": 4}" \
+    --variant "gk512={$b, \"gu_block_k\": 512, \"gu_stages\": 2}" --variant "gk128={$b, \"gu_block_k\": 128, \"gu_stages\": 6}" \
+    --out "$OUT/moet1tiles.json"
+}
+stage_tablee2e() {  # decode steps of $TABLE_MODEL (default 35B) with this checkout's table, with $TABLE_OLD (a table file
+  # brought along) in its place, with this checkout's again
+  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4} table
+  table=nibble/kernels/tuning/$(gpu_key).json
+  cp "$table" /tmp/tablee2e_backup.json
+  decode_latency tablee2e_new 170 "$model"
+  cp "$TABLE_OLD" "$table"
+  decode_latency tablee2e_old 170 "$model"
+  cp /tmp/tablee2e_backup.json "$table"
+  decode_latency tablee2e_new2 170 "$model"
+}
+stage_tablecheck() {  # 6-20 tokens: the table (per-pair path with 2 token slots) against the sorted quad-4 tile it replaced
+  run tablecheck 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 6,9,14,16,20 --only '^auto$' --reps 40 \
+    --variant 'srt={"path": "sorted", "xmode": "quad", "block_t": 4, "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 4, "gu_stages": 4, "dn_mode": "reduce", "dn_block_n": 64, "dn_block_k": 256, "dn_warps": 4, "dn_stages": 3, "dn_prefetch": true}' \
+    --out "$OUT/tablecheck.json"
+}
 stage_moewin() {  # winners of an earlier stage's moe_bench run ($OUT/$MOEWIN_FROM, moe_winners.py) put first in this GPU's
-  # table: decode steps before, with them, before again
-  local src=$OUT/${MOEWIN_FROM:-moe.json} model=Qwen3.5-35B-A3B-NVFP4 table n
+  # table: decode steps before, with them, before again. MOEWIN_FROM may also be a path in the checkout (an earlier
+  # call's result brought along)
+  local src=${MOEWIN_FROM:-moe.json} model=Qwen3.5-35B-A3B-NVFP4 table n
+  [ -f "$src" ] || src=$OUT/$src
   [ -f "$src" ] || { echo "[moewin] no $src" | tee -a "$SUMMARY"; return; }
   run moewin 60 python3 benchmarks/moe_winners.py "$src" --out "$OUT/moewin_entries.json"
   n=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" "$OUT/moewin_entries.json" 2>/dev/null)

@@ -21,12 +21,14 @@ its byte permute, in quad and split mode: `pair_decode`). Dense experts run the 
 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
 intermediate.
 
-Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.26 TB/s;
+Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.27 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
-and the L2 prefetch of down's weights: 122B-A10B layer T=1 24.6 us (first generation: 50.5), T=8 105 (372),
-T=32 281-282 (917), T=128 498-500 with the mixed tiles (2202), T=256 529-534, T=2048 1.77 ms (8.6 ms, before
-DEC 4); 397B-A17B T=8-128 71-78% of copy bandwidth (493-495 us at T=32). The split-16 down tile has 128 rows
-and 8 warps: half the L2 re-reads of each block's activations of a 64-row tile, 2-5% faster at 128-512 tokens.
+and the L2 prefetch of down's weights: 122B-A10B layer T=1 21.6 us (first generation: 50.5), T=8 95.4 (372),
+T=32 279 (917), T=128 498-504 with the mixed tiles (2202), T=256 520-534, T=2048 1.77 ms (8.6 ms, before
+DEC 4); 397B-A17B T=4-128 70-83% of copy bandwidth (537 us at T=32). The per-pair path with 2 token slots
+(MMAs 8 columns wide) beats the sorted quad-4 tiles up to 16 tokens (122B), 20 (397B), 24 (35B): 4-14%.
+The split-16 down tile has 128 rows and 8 warps: half the L2 re-reads of each block's activations of a 64-row
+tile, 2-5% faster at 128-512 tokens.
 The kernels' K loops are short (2-16 steps: H / 256 for gate_up, I / BLOCK_K for down), so the table keeps
 their software pipelines shallow (3-4 stages): 0.4-4% faster than 4-6 at 1-512 tokens (35B T=1 unchanged).
 Tuning fields `gu_tma` / `dn_tma` (per tile, `lg_` for the mixed path's second) load the weight tiles through
