@@ -206,18 +206,12 @@ stage_moedn1() {  # 1-4 tokens: the table's choice against the top-k sum by a se
       --out "$OUT/moedn1$v.json"
   done
 }
-stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mode (MMAs narrower than 8 columns), twice
+stage_moebt() {  # the pairs path with 1 or 2 token slots per program in quad mode (MMAs narrower than 8 columns), twice,
+  # at $MOEBT_TOKENS (the thirty-second session's `moebt8` stage: 1-8)
   local v
   for v in a b; do
-    run moebt$v 150 python3 benchmarks/moe_bench.py --models 122B,35B,397B --tokens 1,2,4,7 --only '^auto$' --reps 40 \
-      --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
-  done
-}
-stage_moebt8() {  # 1-8 tokens of the three layers: the table against 1 or 2 token slots per program (block_t), twice
-  local v
-  for v in a b; do
-    run moebt8$v 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 1,2,3,4,5,6,7,8 --only '^auto$' \
-      --reps 40 --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt8$v.json"
+    run moebt$v 200 python3 benchmarks/moe_bench.py --models 122B,35B,397B --tokens "${MOEBT_TOKENS:-1,2,4,7}" --only '^auto$' \
+      --reps 40 --variant 'bt1={"block_t": 1}' --variant 'bt2={"block_t": 2}' --out "$OUT/moebt$v.json"
   done
 }
 stage_moegemvbt() {  # 3-16 tokens: the table against the per-pair path with 1 or 2 token slots and the sorted path with 2

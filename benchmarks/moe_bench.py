@@ -40,6 +40,7 @@ from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref
 from nibble.kernels.moe_route import route
 
+MAX_ERR = 2e-2  # relative error against the fp32 reference above which a variant is flagged BAD
 MODELS = {
     "122B": {"hidden": 3072, "experts": 256, "top_k": 8, "inter": 1024},
     "35B": {"hidden": 2048, "experts": 256, "top_k": 8, "inter": 512},
@@ -327,7 +328,7 @@ def line(r: dict[str, Any]) -> str:
     head = f"{r['model']:5} T={r['T']:<5} {r['variant']:38}"
     if "error" in r:
         return f"{head} ERROR {r['error']}"
-    flag = " BAD" if r["err"] > 2e-2 or r["err"] != r["err"] else ""
+    flag = " BAD" if r["err"] > MAX_ERR or r["err"] != r["err"] else ""
     rate = (f"{r['tflops']:6.0f} TF/s {r['pct_gemm']:4.0f}%" if r["T"] > PREFILL_T
             else f"{r['tbps']:5.2f} TB/s {r['pct_copy']:4.0f}%")
     ks = "".join(f"\n      {v:9.1f} us  {n}" for n, v in r.get("kernels_us", {}).items())
@@ -341,7 +342,7 @@ def summary(res: dict[str, Any]) -> str:
     for r in res["records"]:
         by.setdefault((r["model"], r["T"]), []).append(r)
     for (model, t), rs in by.items():
-        ok = [r for r in rs if "error" not in r and r["err"] < 2e-2]
+        ok = [r for r in rs if "error" not in r and r["err"] < MAX_ERR]
         auto = next((r for r in ok if r["variant"] == "auto"), None)
         before = next((r for r in ok if r["variant"] == "before:generic"), None)
         best = min(ok, key=lambda r: r["stream_us"], default=None)

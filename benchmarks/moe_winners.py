@@ -20,10 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_bench import MAX_ERR, MODELS
+
 from nibble.kernels.fused_moe import tuning_key
 from nibble.kernels.tuning_tables import lookup
-
-MAX_ERR = 2e-2  # moe_bench flags larger relative errors as BAD
 
 
 def winners(result: dict[str, Any], models: dict[str, dict[str, int]], device: str, min_gain: float,
@@ -55,8 +55,6 @@ def winners(result: dict[str, Any], models: dict[str, dict[str, int]], device: s
 
 
 def main() -> None:
-    from moe_bench import MODELS
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", type=Path, help="moe_bench.py --out file")
     ap.add_argument("--out", type=Path, required=True)
