@@ -15,11 +15,12 @@ routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode
 kernel that loops over the k experts). `xmode` picks how the activations meet the weights' stride-4 K slices
 ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per block of the sorted path (and in quad mode of
 the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer slots make narrower MMAs), `cvt_decode`
-(default on) whether sm_89+ GPUs decode through the e4m3 converter in fp16 (fp4_tiles.py, DEC 3; DEC 4, without
-its byte permute, in quad and split mode: `pair_decode`). Dense experts run the older per-pair GEMV
-(moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also select for NVFP4
-(the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound the [pairs, H]
-intermediate.
+(default on; the H100 table turns it off at one token of hidden sizes up to 3072, where the shift decode without
+the staging launch is 4-6% faster) whether sm_89+ GPUs decode through the e4m3 converter in fp16 (fp4_tiles.py,
+DEC 3; DEC 4, without its byte permute, in quad and split mode: `pair_decode`). Dense experts run the older
+per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `generic_gemv` / `generic_sorted` also
+select for NVFP4 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound
+the [pairs, H] intermediate.
 
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.27 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
