@@ -56,6 +56,15 @@ stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode pr
   run densetable 30 python3 benchmarks/install_tuning_entries.py dense_linear "$OUT/dense_table.json"
 }
 gpu_key() { python3 -c "from nibble.kernels._triton import device_key; print(device_key('cuda:0'))"; }  # tables' name
+# Stages that time the engine with a changed tuning table work on this GPU's table file in the checkout ($TABLE after
+# table_save) and put it back with table_restore (removed again if the GPU had none)
+table_save() {
+  TABLE=nibble/kernels/tuning/$(gpu_key).json
+  if [ -f "$TABLE" ]; then cp "$TABLE" /tmp/table_saved.json; else rm -f /tmp/table_saved.json; fi
+}
+table_restore() {
+  if [ -f /tmp/table_saved.json ]; then cp /tmp/table_saved.json "$TABLE"; else rm -f "$TABLE"; fi
+}
 decode_latency() {  # decode_latency NAME LIMIT_S MODEL [FLAGS...]: decode steps at batch 1, 4, 8 after 1024-token prompts
   local name=$1 limit=$2 model=$3; shift 3
   run "$name" "$limit" python3 -m nibble.cli bench latency --model "$M/$model" --load-format dummy \
@@ -76,22 +85,21 @@ stage_densee2e35() {  # 35B decode steps with the dense GEMV (the table) and wit
 stage_profile122b1() { profile_b1 profile122b1 Qwen3.5-122B-A10B-NVFP4; }
 stage_selecttest() { NIBBLE_TEST_GPU=1 run selecttest 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k select_kernels -p no:cacheprovider -rf; }
 stage_densepdl() {  # decode steps with the dense GEMV launched with PDL (default), without, with again; 122B where it fits
-  local model=Qwen3.5-35B-A3B-NVFP4 table
+  local model=Qwen3.5-35B-A3B-NVFP4
   python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
     && model=Qwen3.5-122B-A10B-NVFP4
-  table=nibble/kernels/tuning/$(gpu_key).json
-  cp "$table" /tmp/table_backup.json
+  table_save
   for v in on off on2; do
-    cp /tmp/table_backup.json "$table"
+    table_restore
     [ "$v" = off ] && python3 -c "
 import json, sys
 t = json.load(open(sys.argv[1]))
 for e in t['dense_linear']:
     e['config']['pdl'] = False
-json.dump(t, open(sys.argv[1], 'w'))" "$table"
+json.dump(t, open(sys.argv[1], 'w'))" "$TABLE"
     decode_latency densepdl_$v 170 $model
   done
-  cp /tmp/table_backup.json "$table"
+  table_restore
 }
 stage_flatables() {  # fla-core's configs for this GPU (fla_tables.py): autotuned and stored, then cold self-tests without / with
   local key
@@ -242,13 +250,12 @@ stage_moet1tiles() {  # 1-3 tokens: down's K step and the tiles around the 1-tok
 }
 stage_tablee2e() {  # decode steps of $TABLE_MODEL (default 35B) with this checkout's table, with $TABLE_OLD (a table file
   # brought along) in its place, with this checkout's again
-  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4} table
-  table=nibble/kernels/tuning/$(gpu_key).json
-  cp "$table" /tmp/tablee2e_backup.json
+  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4}
+  table_save
   decode_latency tablee2e_new 170 "$model"
-  cp "$TABLE_OLD" "$table"
+  cp "$TABLE_OLD" "$TABLE"
   decode_latency tablee2e_old 170 "$model"
-  cp /tmp/tablee2e_backup.json "$table"
+  table_restore
   decode_latency tablee2e_new2 170 "$model"
 }
 stage_tablecheck() {  # 6-20 tokens: the table (per-pair path with 2 token slots) against the sorted quad-4 tile it replaced
@@ -259,7 +266,7 @@ stage_tablecheck() {  # 6-20 tokens: the table (per-pair path with 2 token slots
 stage_moewin() {  # winners of an earlier stage's moe_bench run ($OUT/$MOEWIN_FROM, moe_winners.py) put first in this GPU's
   # table: decode steps before, with them, before again. MOEWIN_FROM may also be a path in the checkout (an earlier
   # call's result brought along)
-  local src=${MOEWIN_FROM:-moe.json} model=Qwen3.5-35B-A3B-NVFP4 table n
+  local src=${MOEWIN_FROM:-moe.json} model=Qwen3.5-35B-A3B-NVFP4 n
   [ -f "$src" ] || src=$OUT/$src
   [ -f "$src" ] || { echo "[moewin] no $src" | tee -a "$SUMMARY"; return; }
   run moewin 60 python3 benchmarks/moe_winners.py "$src" --out "$OUT/moewin_entries.json"
@@ -267,13 +274,12 @@ stage_moewin() {  # winners of an earlier stage's moe_bench run ($OUT/$MOEWIN_FR
   [ "${n:-0}" -gt 0 ] || { echo "[moewin] no winners" | tee -a "$SUMMARY"; return; }
   python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)" \
     && model=Qwen3.5-122B-A10B-NVFP4
-  table=nibble/kernels/tuning/$(gpu_key).json
-  [ -f "$table" ] && cp "$table" /tmp/moewin_table_backup.json
+  table_save
   decode_latency moewin_before 170 $model
   run moewin_install 30 python3 benchmarks/install_tuning_entries.py fused_moe "$OUT/moewin_entries.json" --prepend
-  cp "$table" "$OUT/moewin_table.json"
+  cp "$TABLE" "$OUT/moewin_table.json"
   decode_latency moewin_with 170 $model
-  if [ -f /tmp/moewin_table_backup.json ]; then cp /tmp/moewin_table_backup.json "$table"; else rm -f "$table"; fi
+  table_restore
   decode_latency moewin_before2 170 $model
 }
 table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
@@ -284,17 +290,15 @@ t.setdefault(sys.argv[2], []).insert(0, json.loads(sys.argv[3]))
 json.dump(t, open(sys.argv[1], 'w'))" "$1" "$2" "$3"
 }
 stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
-  local table
-  table=nibble/kernels/tuning/$(gpu_key).json
-  cp "$table" /tmp/table_backup.json
+  table_save
   decode_latency moebte2e_on 120 Qwen3.5-35B-A3B-NVFP4
-  table_first_entry "$table" fused_moe '{"when": {"max_tokens": 7}, "config": {"block_t": 2}}'
+  [ -f "$TABLE" ] || echo '{}' > "$TABLE"
+  table_first_entry "$TABLE" fused_moe '{"when": {"max_tokens": 7}, "config": {"block_t": 2}}'
   decode_latency moebte2e_bt2 120 Qwen3.5-35B-A3B-NVFP4
-  cp /tmp/table_backup.json "$table"
+  table_restore
 }
 stage_moedne2e() {  # 35B decode steps: the table, with the one-token top-k sum by a separate reduce launch, the table again
-  local table v entry
-  table=nibble/kernels/tuning/$(gpu_key).json
+  local v entry
   # the whole one-token configuration this GPU takes for the 35B layer, with dn_mode "reduce", first in its own table
   entry=$(python3 -c "
 import json
@@ -302,13 +306,16 @@ from nibble.kernels.tuning_tables import lookup
 key = {'tokens': 1, 'fp4': True, 'hidden': 2048, 'inter': 512, 'experts': 256, 'top_k': 8, 'pairs_per_expert': 8 / 256}
 cfg = {**lookup('fused_moe', 'cuda:0', key), 'dn_mode': 'reduce'}
 print(json.dumps({'when': {'max_tokens': 1, 'max_hidden': 2048}, 'config': cfg}))")
-  cp "$table" /tmp/table_backup.json
+  table_save
   for v in on reduce on2; do
-    cp /tmp/table_backup.json "$table"
-    [ "$v" = reduce ] && table_first_entry "$table" fused_moe "$entry"
+    table_restore
+    if [ "$v" = reduce ]; then
+      [ -f "$TABLE" ] || echo '{}' > "$TABLE"
+      table_first_entry "$TABLE" fused_moe "$entry"
+    fi
     decode_latency moedne2e_$v 170 Qwen3.5-35B-A3B-NVFP4
   done
-  cp /tmp/table_backup.json "$table"
+  table_restore
 }
 stage_moe397() { run moe397 200 python3 benchmarks/moe_bench.py --models 397B --tokens 1,4,16,64,256,2048 --out "$OUT/moe397.json"; }
 stage_ncu() {
