@@ -282,18 +282,14 @@ stage_moewin() {  # winners of an earlier stage's moe_bench run ($OUT/$MOEWIN_FR
   table_restore
   decode_latency moewin_before2 170 $model
 }
-table_first_entry() {  # table_first_entry TABLE OP ENTRY_JSON: ENTRY becomes the first of OP's entries in the tuning table file TABLE
-  python3 -c "
-import json, sys
-t = json.load(open(sys.argv[1]))
-t.setdefault(sys.argv[2], []).insert(0, json.loads(sys.argv[3]))
-json.dump(t, open(sys.argv[1], 'w'))" "$1" "$2" "$3"
+table_first_entry() {  # table_first_entry OP ENTRY_JSON: ENTRY becomes the first of OP's entries in this GPU's table
+  echo "[$2]" > /tmp/table_entry.json
+  python3 benchmarks/install_tuning_entries.py "$1" /tmp/table_entry.json --prepend > /dev/null
 }
 stage_moebte2e() {  # H100: 35B decode steps with the table, then with 2 token slots on the pairs path (its own table's overlay)
   table_save
   decode_latency moebte2e_on 120 Qwen3.5-35B-A3B-NVFP4
-  [ -f "$TABLE" ] || echo '{}' > "$TABLE"
-  table_first_entry "$TABLE" fused_moe '{"when": {"max_tokens": 7}, "config": {"block_t": 2}}'
+  table_first_entry fused_moe '{"when": {"max_tokens": 7}, "config": {"block_t": 2}}'
   decode_latency moebte2e_bt2 120 Qwen3.5-35B-A3B-NVFP4
   table_restore
 }
@@ -309,10 +305,7 @@ print(json.dumps({'when': {'max_tokens': 1, 'max_hidden': 2048}, 'config': cfg})
   table_save
   for v in on reduce on2; do
     table_restore
-    if [ "$v" = reduce ]; then
-      [ -f "$TABLE" ] || echo '{}' > "$TABLE"
-      table_first_entry "$TABLE" fused_moe "$entry"
-    fi
+    [ "$v" = reduce ] && table_first_entry fused_moe "$entry"
     decode_latency moedne2e_$v 170 Qwen3.5-35B-A3B-NVFP4
   done
   table_restore
