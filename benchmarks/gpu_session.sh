@@ -258,6 +258,16 @@ stage_tablee2e() {  # decode steps of $TABLE_MODEL (default 35B) with this check
   table_restore
   decode_latency tablee2e_new2 170 "$model"
 }
+stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
+  local r
+  for r in 1 2; do
+    run "moe35dn_r$r" 200 python3 benchmarks/moe_bench.py --models 35B --tokens 2,3,4 --only '^auto$' --reps 40 \
+      --variant 'd64w4={"dn_block_n": 64, "dn_warps": 4}' --variant 'dk512={"dn_block_k": 512}' \
+      --variant 'd64w4k512={"dn_block_n": 64, "dn_warps": 4, "dn_block_k": 512}' \
+      --variant 'd64w4k512s2={"dn_block_n": 64, "dn_warps": 4, "dn_block_k": 512, "dn_stages": 2}' \
+      --out "$OUT/moe35dn_r$r.json"
+  done
+}
 stage_tablecheck() {  # 6-20 tokens: the table (per-pair path with 2 token slots) against the sorted quad-4 tile it replaced
   run tablecheck 200 python3 benchmarks/moe_bench.py --models 122B,397B,35B --tokens 6,9,14,16,20 --only '^auto$' --reps 40 \
     --variant 'srt={"path": "sorted", "xmode": "quad", "block_t": 4, "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 4, "gu_stages": 4, "dn_mode": "reduce", "dn_block_n": 64, "dn_block_k": 256, "dn_warps": 4, "dn_stages": 3, "dn_prefetch": true}' \
