@@ -48,6 +48,7 @@ stage_nonmoetests() { NIBBLE_TEST_GPU=1 run nonmoetests 300 python3 -m pytest -q
 stage_biastest() { NIBBLE_TEST_GPU=1 run biastest 120 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "logit_bias or structured" -p no:cacheprovider -rf; }
 stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "norms or elementwise or select_kernels" -p no:cacheprovider -rf; }
 stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
+stage_countertests() { NIBBLE_TEST_GPU=1 run countertests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "nvfp4_dtypes or cuda_graph_replay or pdl_matches" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
 stage_densetests() { NIBBLE_TEST_GPU=1 run densetests 240 python3 -m pytest -q tests/gpu/test_dense_gemv_gpu.py -p no:cacheprovider -rf; }
 stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode projection shape; table entries from it

@@ -36,7 +36,7 @@ from nibble.kernels.attention import store_kv
 from nibble.kernels.conv1d import causal_conv1d
 from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.gated_delta import gated_delta_rule_fla, gated_delta_rule_recurrent
-from nibble.kernels.moe import MoEWeights
+from nibble.kernels.moe import MoEWeights, topk_counters
 from nibble.kernels.moe_route import route
 from nibble.kernels.norm import rms_norm
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref
@@ -171,7 +171,7 @@ def moe_baseline(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, w13: torch
 def bench_moe(b: Bench, model: str, sizes: tuple[int, ...], paths: bool, with_baseline: bool) -> None:
     m = MODELS[model]
     h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     per_expert = experts.w13.nbytes() // e + experts.w2.nbytes() // e
     dense = None
     if with_baseline:
@@ -387,7 +387,7 @@ def sweep_moe(b: Bench, model: str) -> dict[str, Any]:
     """Time tile configurations per token count; returns the best per size (for tuning/<device>.json)."""
     m = MODELS[model]
     h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     best: dict[str, Any] = {}
     for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192):
         x = torch.randn(t, h, device=DEV, dtype=BF16)

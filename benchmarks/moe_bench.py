@@ -37,7 +37,7 @@ from nibble.bench.gpu_timing import capture_graph, cold_ms, stream_us
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.fused_moe import fused_moe_launch
-from nibble.kernels.moe import MoEWeights, fused_moe_ref
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, topk_counters
 from nibble.kernels.moe_route import route
 
 MAX_ERR = 2e-2  # relative error against the fp32 reference above which a variant is flagged BAD
@@ -194,7 +194,7 @@ def random_experts(model: str, dev: torch.device, gen: torch.Generator, empty: b
         return NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn),
                            (torch.rand(e, n, device=dev, generator=gen) + 0.5) * (0.5 / k ** 0.5))
 
-    return MoEWeights(w(2 * inter, h), w(h, inter))
+    return MoEWeights(w(2 * inter, h), w(h, inter), topk_counters(h, dev))
 
 
 def _compile_worker(job: tuple[str, int, str, dict]) -> tuple[str, float, str]:

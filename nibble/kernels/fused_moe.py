@@ -11,7 +11,8 @@ Two paths, picked per call from the token count and pairs per expert (tuning tab
   launches per GEMM.
 NVFP4 experts run the weight-stationary tensor-core kernels of moe_w4.py: gate_up with SiLU*up fused, down with the
 routing weight fused, then the top-k sum in a fixed order (tuning field `dn_mode`: "reduce" = one small extra launch;
-"fused" = done by the down kernel's last program per token and slice, `gemv` path only; "token" = a per-token down
+"fused" = done by the down kernel's last program per token and slice, `gemv` path only, counting in the
+experts' `topk_counters` (`moe.topk_counters`; without them the reduce launch); "token" = a per-token down
 kernel that loops over the k experts). `xmode` picks how the activations meet the weights' stride-4 K slices
 ("split", "quad", "perm": see moe_w4.py), `block_t` the token slots per block of the sorted path (and in quad mode of
 the `gemv` path, whose one pair per program fills slot 0: up to 4, fewer slots make narrower MMAs), `cvt_decode`
@@ -151,28 +152,22 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     if generic:
         _generic(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg)
     else:
-        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg)
+        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts)
     return out
 
 
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-
-
-def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 counters for the fused top-k sum of `moe_w4_down_kernel`, kept per device (every use
-    leaves them at zero again); allocated on first use, so that a call inside CUDA-graph capture never
-    needs a fresh buffer once an eager call of the same size has run."""
-    buf = _SEMAPHORES.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # no allocation during capture: fall back to the reduce launch
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _SEMAPHORES[device] = buf
-    return buf
+def _counters(experts: MoEWeights, device: torch.device, n: int) -> torch.Tensor | None:
+    """The experts' top-k counters if they can serve a call needing n of them, else None (reduce launch)."""
+    c = experts.topk_counters
+    if c is None or c.numel() < n or c.device != device:
+        return None
+    if c.dtype != torch.int32 or not c.is_contiguous():
+        raise ValueError(f"fused_moe: topk_counters must be contiguous int32, got {c.dtype} {tuple(c.shape)}")
+    return c
 
 
 def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int, top_k: int,
-        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
+        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any], experts: MoEWeights) -> None:
     """NVFP4 experts through moe_w4.py (see the module docstring)."""
     t, h = x.shape
     q13, s13, g13, st13 = w13
@@ -223,7 +218,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 **dkw)
             return
         tiles = cdiv(h, dbn)
-        sem = _semaphores(x.device, t * tiles) if mode == "fused" else None
+        sem = _counters(experts, x.device, t * tiles) if mode == "fused" else None
         y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
         moe_w4_down_kernel[(t * top_k, tiles)](
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,

@@ -17,10 +17,14 @@ class MoEWeights:
 
     w13: gate and up projections stacked on the output dim, [E, 2I, H] (bf16/fp32, or NVFP4);
     w2: down projection [E, H, I]. Both are either dense tensors or NVFP4Tensor.
+    topk_counters: int32 zeros owned by the caller (a layer allocates them once with
+    `topk_counters`), the counters of the Triton kernels' fused top-k sum, which leaves them zero
+    again; None (or too few for a call): that sum takes its own launch. The reference ignores them.
     """
 
     w13: torch.Tensor | NVFP4Tensor
     w2: torch.Tensor | NVFP4Tensor
+    topk_counters: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -45,6 +49,14 @@ class MoEWeights:
             return self.w13.select(e).dequantize(dtype), self.w2.select(e).dequantize(dtype)
         assert isinstance(self.w2, torch.Tensor)
         return self.w13[e].to(dtype), self.w2[e].to(dtype)
+
+
+def topk_counters(hidden_size: int, device: torch.device | str, max_tokens: int = 16) -> torch.Tensor:
+    """Zeroed int32 counters for the fused top-k sum of `moe_w4_down_kernel` (`MoEWeights.topk_counters`), one
+    per (token, hidden slice) for up to `max_tokens` tokens at the narrowest slice (16 features). A layer
+    allocates them once, outside any CUDA-graph capture, and owns them: every call leaves them at zero, and no
+    two layers (or engines) share them, so concurrent streams never count into the same buffer."""
+    return torch.zeros(max_tokens * -(-hidden_size // 16), dtype=torch.int32, device=device)
 
 
 def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,

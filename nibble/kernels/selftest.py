@@ -18,7 +18,7 @@ from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels.activation import moe_combine_ref, sigmoid_mul_ref, silu_and_mul_ref
 from nibble.kernels.attention import paged_attention_ref, store_kv_ref
 from nibble.kernels.dense_gemv import dense_linear_ref
-from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
 from nibble.kernels.rope import build_cos_sin_cache, rope_ref
@@ -275,7 +275,8 @@ def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
     e = min(c.num_experts, moe_test_experts(ctx))
     quantized = c.quant is not None and c.quant.is_quantized("model.layers.0.mlp.experts")
     if quantized:
-        experts = MoEWeights(_random_nvfp4(ctx, e, 2 * inter, h), _random_nvfp4(ctx, e, h, inter))
+        experts = MoEWeights(_random_nvfp4(ctx, e, 2 * inter, h), _random_nvfp4(ctx, e, h, inter),
+                             topk_counters(h, ctx.device))
     else:
         experts = MoEWeights(ctx.randn(e, 2 * inter, h, scale=h ** -0.5), ctx.randn(e, h, inter, scale=inter ** -0.5))
     worst = 0.0

@@ -30,7 +30,7 @@ from torch import nn
 
 from nibble.formats.nvfp4 import GROUP_SIZE, NVFP4Tensor
 from nibble.kernels.kernel_set import KernelSet
-from nibble.kernels.moe import MoEWeights
+from nibble.kernels.moe import MoEWeights, topk_counters
 from nibble.layers.linear import (
     FLOAT_DTYPES,
     FusedProjections,
@@ -107,6 +107,8 @@ class RoutedExperts(nn.Module):
         else:
             self.w13 = p(e, 2 * i, h, dt=dtype)
             self.w2 = p(e, h, i, dt=dtype)
+        # this layer's own counters for the Triton kernels' fused top-k sum (not a checkpoint tensor)
+        self.register_buffer("topk_counters", topk_counters(h, device), persistent=False)
 
     @property
     def local_expert_ids(self) -> range:
@@ -115,8 +117,8 @@ class RoutedExperts(nn.Module):
     def weights(self) -> MoEWeights:
         if self.quantized:
             return MoEWeights(NVFP4Tensor(self.w13, self.w13_scale, self.w13_global),
-                              NVFP4Tensor(self.w2, self.w2_scale, self.w2_global))
-        return MoEWeights(self.w13, self.w2)
+                              NVFP4Tensor(self.w2, self.w2_scale, self.w2_global), self.topk_counters)
+        return MoEWeights(self.w13, self.w2, self.topk_counters)
 
     def localize(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Under expert parallelism, global top-k (weights fp32 [T, k], ids int32 [T, k]) -> ids of this

@@ -76,7 +76,7 @@ def main() -> int:
     from nibble.kernels import fused_moe as fm
     from nibble.kernels import nvfp4_linear as nl
     from nibble.kernels import paged_attention as pa
-    from nibble.kernels.moe import MoEWeights
+    from nibble.kernels.moe import MoEWeights, topk_counters
     from nibble.kernels.tuning_tables import TUNING_DIR, table_names
 
     bf = torch.bfloat16
@@ -156,7 +156,7 @@ def main() -> int:
         attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
         attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
         attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
-        w4 = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
+        w4 = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter), topk_counters(h, "cpu"))
         dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.skipif(
 from nibble.bench.gpu_timing import capture_graph  # noqa: E402
 from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import attention  # noqa: E402
-from nibble.kernels import fused_moe as fm  # noqa: E402
 from nibble.kernels import paged_attention as pa  # noqa: E402
 from nibble.kernels.activation import (  # noqa: E402
     moe_combine,
@@ -49,7 +48,7 @@ from nibble.kernels.gated_delta import (  # noqa: E402
     gated_delta_rule_spec_ref,
 )
 from nibble.kernels.gdn_gating import gdn_gating, gdn_gating_ref  # noqa: E402
-from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref  # noqa: E402
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters  # noqa: E402
 from nibble.kernels.moe_route import route  # noqa: E402
 from nibble.kernels.norm import (  # noqa: E402
     gated_rms_norm,
@@ -407,7 +406,7 @@ def test_fused_moe(name: str, fp4: bool) -> None:
     h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     e = c.num_experts if fp4 else 64
     if fp4:
-        experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+        experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     else:
         experts = MoEWeights(torch.randn(e, 2 * inter, h, device=DEV, dtype=BF16) * h ** -0.5,
                              torch.randn(e, h, inter, device=DEV, dtype=BF16) * inter ** -0.5)
@@ -435,7 +434,7 @@ def test_fused_moe_nvfp4_dtypes_and_skipped_experts(dtype: torch.dtype) -> None:
         s = w_.block_scale.float()
         s[..., ::5] *= 0.01
         w_.block_scale.copy_(s.to(torch.float8_e4m3fn))
-    experts = MoEWeights(w13, w2)
+    experts = MoEWeights(w13, w2, topk_counters(h, DEV))
     for t in (1, 5, 300):
         x = torch.randn(t, h, device=DEV, dtype=dtype)
         w, ids = route_ref(torch.randn(t, e, device=DEV), k)
@@ -451,8 +450,7 @@ def test_fused_moe_nvfp4_dtypes_and_skipped_experts(dtype: torch.dtype) -> None:
                 assert rel(out, ref) < (1e-3 if dtype == torch.float32 else TOL), (t, path, dcfg, rel(out, ref))
                 if t > 1:
                     assert float(out[t // 2].float().abs().max()) == 0.0
-    for sem in fm._SEMAPHORES.values():
-        assert int(sem.abs().sum()) == 0  # the fused top-k sum re-arms its counters
+    assert int(experts.topk_counters.abs().sum()) == 0  # the fused top-k sum re-arms its counters
 
 
 @pytest.mark.parametrize("t", [1, 4, 37, 600])
@@ -461,7 +459,7 @@ def test_fused_moe_cuda_graph_replay(t: int) -> None:
     fused top-k sum's counters and the sorted path's alignment) give the right result every time."""
     c = config("122B")
     h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     x = torch.randn(t, h, device=DEV, dtype=BF16)
     w, ids = route_ref(torch.randn(t, e, device=DEV), k)
     fused_moe_launch(x, w, ids, experts)  # warm-up: compiles, allocates the counters
@@ -504,7 +502,7 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
         assert pdl_supported(torch.device(DEV))
     c = config("122B")
     h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     calls = []
     for _ in range(4):
         w, ids = route_ref(torch.randn(t, e, device=DEV), k)
@@ -535,7 +533,7 @@ def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:
     eagerly and from a CUDA graph (the descriptors travel by value in the captured launches)."""
     c = config(name)
     h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter))
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
     x = torch.randn(t, h, device=DEV, dtype=BF16)
     w, ids = route_ref(torch.randn(t, e, device=DEV), k)
     if t > 1:

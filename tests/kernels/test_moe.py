@@ -8,10 +8,9 @@ import pytest
 import torch
 from kernel_testing import poisoned, random_nvfp4, rel_err
 
-from nibble.kernels import fused_moe as fm
 from nibble.kernels.fp4_tiles import fp4_units
 from nibble.kernels.fused_moe import fused_moe_launch
-from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref
+from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters
 from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
 from nibble.kernels.tma import w4_descriptors
@@ -100,7 +99,7 @@ def test_align_split(t: int) -> None:
 
 def _experts(fp4: bool) -> MoEWeights:
     w13, w2 = random_nvfp4(E, 2 * I, H), random_nvfp4(E, H, I)
-    return MoEWeights(w13, w2) if fp4 else MoEWeights(w13.dequantize(), w2.dequantize())
+    return MoEWeights(w13, w2, topk_counters(H, "cpu")) if fp4 else MoEWeights(w13.dequantize(), w2.dequantize())
 
 
 @pytest.mark.parametrize("fp4", [True, False])
@@ -177,8 +176,8 @@ def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str, cfg: dict) -> No
     out = poisoned(fused_moe_launch, [((t, H), x.dtype)], x, w, ids, experts, path=path, config=cfg)
     ref = fused_moe_ref(x, w, ids, experts)
     assert torch.equal(out[2], torch.zeros(H))
-    for sem in fm._SEMAPHORES.values():
-        assert int(sem.abs().sum()) == 0  # the fused top-k sum re-arms its counters
+    if experts.topk_counters is not None:
+        assert int(experts.topk_counters.abs().sum()) == 0  # the fused top-k sum re-arms its counters
     assert rel_err(out, ref) < 1e-5
     w_kept = torch.where(ids >= 0, w, torch.zeros_like(w))
     ids_kept = torch.where(ids >= 0, ids, torch.zeros_like(ids))
@@ -257,3 +256,35 @@ def test_stage_x(order: str) -> None:
         stage_x(x, torch.float16, shift, permute, out=torch.empty(t, k, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 8"):
         stage_x(x[:, :k - 4], torch.float16, shift, False, pairs=True)
+
+
+def test_fused_moe_topk_counters_are_the_callers() -> None:
+    """The fused top-k sum counts in the experts' own `topk_counters` and leaves them zero; without them (or
+    with too few for the call) it takes the reduce launch, with the same result; a bad buffer is an error."""
+    w13, w2 = random_nvfp4(E, 2 * I, H), random_nvfp4(E, H, I)
+    x = torch.randn(3, H)
+    w, ids = route_ref(torch.randn(3, E), K)
+    cfg = {"xmode": "quad", "dn_mode": "fused", "dn_block_n": 16}
+    ref = fused_moe_ref(x, w, ids, MoEWeights(w13, w2))
+    outs = []
+    for counters in (topk_counters(H, "cpu"), None, torch.zeros(2, dtype=torch.int32)):
+        experts = MoEWeights(w13, w2, counters)
+        outs.append(fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg))
+        assert rel_err(outs[-1], ref) < 1e-5
+        if counters is not None:
+            assert int(counters.abs().sum()) == 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    with pytest.raises(ValueError, match="topk_counters must be contiguous int32"):
+        fused_moe_launch(x, w, ids, MoEWeights(w13, w2, torch.zeros(64, dtype=torch.int64)), path="gemv", config=cfg)
+
+
+def test_routed_experts_own_their_topk_counters() -> None:
+    """Each MoE layer allocates its own zeroed counters (no buffer shared by layers or engines), passes them
+    with its weights, and keeps them out of its state dict (they are not a checkpoint tensor)."""
+    from nibble.layers.moe import RoutedExperts
+
+    layers = [RoutedExperts(E, H, I, quantized=True, dtype=torch.float32, device="cpu") for _ in range(2)]
+    a, b = (layer.weights().topk_counters for layer in layers)
+    assert a is not None and b is not None and a.data_ptr() != b.data_ptr()
+    assert a.dtype == torch.int32 and int(a.abs().sum()) == 0 and a.numel() >= 16 * (H // 16)
+    assert all("topk_counters" not in k for k in layers[0].state_dict())

@@ -13,7 +13,7 @@ import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels._triton import HAVE_TRITON, interpreting
-from nibble.kernels.moe import MoEWeights
+from nibble.kernels.moe import MoEWeights, topk_counters
 from nibble.kernels.registry import default_backends
 
 GPU = os.environ.get("NIBBLE_TEST_GPU") == "1" and torch.cuda.is_available()
@@ -52,7 +52,7 @@ def nvfp4(e: int, n: int, k: int, g: torch.Generator) -> NVFP4Tensor:
 def test_moe_row_isolation(bad: float) -> None:
     g = gen()
     e, h, inter, k, t = 8, 64, 32, 2, 7
-    experts = MoEWeights(nvfp4(e, 2 * inter, h, g), nvfp4(e, h, inter, g))
+    experts = MoEWeights(nvfp4(e, 2 * inter, h, g), nvfp4(e, h, inter, g), topk_counters(h, DEV))
     router_w, x = randn(e, h, g=g, scale=0.3), randn(t, h, g=g)
     route, moe = triton("route"), triton("fused_moe")
 

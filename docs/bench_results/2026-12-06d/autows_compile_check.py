@@ -1,38 +1,85 @@
-import sys, traceback, torch
-sys.path.insert(0, "/work/main")
+"""Offline sm_90 compile of the MoE kernels with `warp_specialize` on their K loops (thirty-fourth session).
+
+Needs `autows_experiment.diff` applied (tuning fields gu_ws / dn_ws), Triton without a GPU, TRITON_INTERPRET
+unset; uses the stand-in driver of tests/gpu/compile_offline.py. Prints, per tile and flag, what compiled
+(shared memory, warps) or the compiler's failure.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
-class D:
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_active_torch_device(self): return torch.device("cpu")
-    def get_device_interface(self): return torch.cuda
-driver.set_active(D())
-run = JITFunction.run
-def co(self, *a, grid, warmup, **kw):
-    k = run(self, *a, grid=grid, warmup=True, **kw)
-    print("compiled", self.fn.__name__, "smem", k.metadata.shared, "warps", k.metadata.num_warps)
-    return k
-JITFunction.run = co
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from nibble.formats.nvfp4 import NVFP4Tensor
 from nibble.kernels import fused_moe as fm
 from nibble.kernels.moe import MoEWeights
-from nibble.formats.nvfp4 import NVFP4Tensor
-fm.pdl_supported = lambda d: True
-fm.tma_supported = lambda d: True
-def nvfp4(*shape):
-    *lead, n, k = shape
-    return NVFP4Tensor(torch.zeros(*lead, n, k // 2, dtype=torch.uint8), torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
-h, inter, e, k = 3072, 1024, 256, 8
-w4 = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
-import json
-big = {"path": "sorted", "xmode": "split", "block_t": 16, "gu_block_n": 64, "gu_block_k": 256, "gu_warps": 8, "gu_stages": 3, "dn_mode": "reduce", "dn_block_n": 128, "dn_block_k": 256, "dn_warps": 8, "dn_stages": 3, "chunk_pairs": 65536, "gu_tma": 2, "dec": 3}
-small = {"path": "gemv", "xmode": "quad", "block_t": 2, "gu_block_n": 16, "gu_block_k": 256, "gu_warps": 2, "gu_stages": 4, "dn_mode": "fused", "dn_block_n": 32, "dn_block_k": 256, "dn_warps": 2, "dn_stages": 3, "chunk_pairs": 65536, "dec": 3}
-for name, cfg, t in [("big", big, 256), ("small", small, 1)]:
-    for ws in ({"gu_ws": True}, {"dn_ws": True}, {"gu_ws": True, "gu_tma": 2, "gu_warps": 4}, {"dn_ws": True, "dn_tma": 2, "dn_warps": 4}):
-        print("==", name, ws)
-        try:
-            fm.fused_moe_launch(torch.randn(t, h, dtype=torch.bfloat16), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32), w4, path=cfg["path"], config={**cfg, **ws})
-        except Exception as ex:
-            print("FAIL", type(ex).__name__, str(ex)[-600:])
+
+
+class StandIn:
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def main() -> None:
+    driver.set_active(StandIn())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        ptx = kernel.asm["ptx"]
+        print(f"  compiled {self.fn.__name__}: smem {kernel.metadata.shared}, warps {kernel.metadata.num_warps}, "
+              f"cp.async {ptx.count('cp.async')}, mbarrier {ptx.count('mbarrier')}")
+        return kernel
+
+    JITFunction.run = compile_only
+    fm.pdl_supported = lambda _d: True
+    fm.tma_supported = lambda _d: True
+
+    def nvfp4(e: int, n: int, k: int) -> NVFP4Tensor:
+        return NVFP4Tensor(torch.zeros(e, n, k // 2, dtype=torch.uint8),
+                           torch.zeros(e, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(e, n))
+
+    h, inter, e, k = 3072, 1024, 256, 8
+    experts = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
+    small = {"path": "gemv", "xmode": "quad", "block_t": 2, "gu_block_n": 16, "gu_block_k": 256, "gu_warps": 2,
+             "gu_stages": 4, "dn_mode": "fused", "dn_block_n": 32, "dn_block_k": 256, "dn_warps": 2, "dn_stages": 3,
+             "chunk_pairs": 65536, "dec": 3}
+    big = {"path": "sorted", "xmode": "split", "block_t": 16, "gu_block_n": 64, "gu_block_k": 256, "gu_warps": 8,
+           "gu_stages": 3, "dn_mode": "reduce", "dn_block_n": 128, "dn_block_k": 256, "dn_warps": 8, "dn_stages": 3,
+           "chunk_pairs": 65536, "gu_tma": 2, "dec": 3}
+    four = {"gu_warps": 4, "dn_warps": 4}
+    cases = [("pairs", small, 1), ("pairs, 4 warps", {**small, **four}, 1), ("sorted", big, 256),
+             ("sorted, 4 warps, pointers", {**big, **four, "gu_tma": 0}, 256),
+             ("sorted, 4 warps, TMA", {**big, **four, "dn_tma": 2}, 256)]
+    for name, cfg, t in cases:
+        for ws in ({"gu_ws": True}, {"dn_ws": True}):
+            print(f"== {name} {ws}")
+            try:
+                fm.fused_moe_launch(torch.randn(t, h, dtype=torch.bfloat16), torch.rand(t, k),
+                                    torch.zeros(t, k, dtype=torch.int32), experts, path=cfg["path"],
+                                    config={**cfg, **ws})
+            except Exception as ex:
+                print(f"  FAILED {type(ex).__name__}: {str(ex)[-200:]}")
+
+
+if __name__ == "__main__":
+    main()
