@@ -107,8 +107,9 @@ class RoutedExperts(nn.Module):
         else:
             self.w13 = p(e, 2 * i, h, dt=dtype)
             self.w2 = p(e, h, i, dt=dtype)
-        # this layer's own counters for the Triton kernels' fused top-k sum (not a checkpoint tensor)
-        self.register_buffer("topk_counters", topk_counters(h, device), persistent=False)
+        # this layer's own counters for the NVFP4 kernels' fused top-k sum (not a checkpoint tensor; dense experts
+        # run kernels without that sum)
+        self.register_buffer("topk_counters", topk_counters(h, device) if quantized else None, persistent=False)
 
     @property
     def local_expert_ids(self) -> range:
@@ -118,7 +119,7 @@ class RoutedExperts(nn.Module):
         if self.quantized:
             return MoEWeights(NVFP4Tensor(self.w13, self.w13_scale, self.w13_global),
                               NVFP4Tensor(self.w2, self.w2_scale, self.w2_global), self.topk_counters)
-        return MoEWeights(self.w13, self.w2, self.topk_counters)
+        return MoEWeights(self.w13, self.w2)
 
     def localize(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Under expert parallelism, global top-k (weights fp32 [T, k], ids int32 [T, k]) -> ids of this

@@ -30,34 +30,41 @@ TABLE_CC = {"nvidia_h200": 90, "nvidia_h100_80gb_hbm3": 90}
 SMEM_LIMIT_KB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
 
 
+class StandInDriver:
+    """Triton's active driver without a GPU: compiles for CUDA compute capability `cc` (settable between
+    compilations), on the current "device" 0 and stream 0."""
+
+    def __init__(self, cc: int) -> None:
+        self.cc = cc
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.cc, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET")
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     scan_ptxas = "--ptxas" in sys.argv[1:]
     ccs = [int(a) for a in sys.argv[1:] if a != "--ptxas"] or [90]
-    target = {"cc": ccs[0]}
-
-    class StandInDriver:
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", target["cc"], 32)
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: int | None = None) -> int:
-            return 0
-
-        def get_active_torch_device(self) -> torch.device:
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-    driver.set_active(StandInDriver())
+    target = StandInDriver(ccs[0])
+    driver.set_active(target)
     compiled: list[tuple[str, object, str]] = []  # (kernel name, compiled kernel, the `attempt` that launched it)
     current = {"attempt": ""}
     run = JITFunction.run
@@ -100,7 +107,7 @@ def main() -> int:
                            torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
 
     def configs(op: str) -> list[dict]:
-        tables = [t for stem, t in all_tables if table_cc[stem] in (None, target["cc"])]
+        tables = [t for stem, t in all_tables if table_cc[stem] in (None, target.cc)]
         base = [e["config"] for e in tables[0].get(op, [])] if tables else []
         out = []
         for t in tables:
@@ -112,7 +119,7 @@ def main() -> int:
     cu3, sl3 = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
     cuv = torch.tensor([0, 1, 5, 9], dtype=torch.int32)
     for cc in ccs:
-        target["cc"] = cc
+        target.cc = cc
         start = len(compiled)
         attempt("rms_norm", norm.rms_norm, torch.randn(4, h, dtype=bf), torch.ones(h), 1e-6,
                 torch.randn(4, h, dtype=bf))

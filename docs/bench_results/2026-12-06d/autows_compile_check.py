@@ -1,8 +1,8 @@
 """Offline sm_90 compile of the MoE kernels with `warp_specialize` on their K loops (thirty-fourth session).
 
 Needs `autows_experiment.diff` applied (tuning fields gu_ws / dn_ws), Triton without a GPU, TRITON_INTERPRET
-unset; uses the stand-in driver of tests/gpu/compile_offline.py. Prints, per tile and flag, what compiled
-(shared memory, warps) or the compiler's failure.
+unset; uses `StandInDriver` of tests/gpu/compile_offline.py. Prints, per tile and flag, what compiled (shared
+memory, warps) or the compiler's failure.
 """
 
 from __future__ import annotations
@@ -11,36 +11,21 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests/gpu")]
 
-from nibble.formats.nvfp4 import NVFP4Tensor
-from nibble.kernels import fused_moe as fm
-from nibble.kernels.moe import MoEWeights
+from compile_offline import StandInDriver  # noqa: E402
 
-
-class StandIn:
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
+from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
+from nibble.kernels import fused_moe as fm  # noqa: E402
+from nibble.kernels.moe import MoEWeights  # noqa: E402
 
 
 def main() -> None:
-    driver.set_active(StandIn())
+    driver.set_active(StandInDriver(90))
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
