@@ -259,6 +259,13 @@ stage_tablee2e() {  # decode steps of $TABLE_MODEL (default 35B) with this check
   table_restore
   decode_latency tablee2e_new2 170 "$model"
 }
+stage_moejson() {  # the table's choice against named tuning overrides from a json file ($MOE_VARIANTS: {name: fields}) at
+  # $MOE_TOKENS tokens of the $MOE_MODELS layers
+  local v
+  mapfile -t v < <(python3 -c "import json, sys; [print(f'--variant={k}={json.dumps(c)}') for k, c in json.load(open(sys.argv[1])).items()]" "$MOE_VARIANTS")
+  run "moejson${MOE_TAG:-}" "${MOE_LIMIT:-480}" python3 benchmarks/moe_bench.py --models "${MOE_MODELS:-122B,397B,35B}" \
+    --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
+}
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
   local r
   for r in 1 2; do

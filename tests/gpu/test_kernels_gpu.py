@@ -411,7 +411,7 @@ def test_fused_moe(name: str, fp4: bool) -> None:
         experts = MoEWeights(torch.randn(e, 2 * inter, h, device=DEV, dtype=BF16) * h ** -0.5,
                              torch.randn(e, h, inter, device=DEV, dtype=BF16) * inter ** -0.5)
     paths = ("auto", "gemv", "sorted", "generic_gemv", "generic_sorted") if fp4 else ("auto", "gemv", "sorted")
-    for t in (1, 3, 64, 2048):
+    for t in (1, 3, 64, 700, 2048):
         x = torch.randn(t, h, device=DEV, dtype=BF16)
         w, ids = route_ref(torch.randn(t, e, device=DEV), k)
         ref = fused_moe_ref(x.float(), w, ids, experts)

@@ -120,7 +120,8 @@ def test_fused_moe(fp4: bool, path: str, t: int) -> None:
     ("gemv", {"xmode": "quad", "block_t": 1, "dn_mode": "fused"}),
     ("gemv", {"xmode": "quad", "block_t": 2, "dn_mode": "reduce"}),
     ("sorted", {"xmode": "quad", "block_t": 4}), ("sorted", {"xmode": "perm", "block_t": 16}),
-    ("sorted", {"xmode": "split", "block_t": 16}), ("generic_gemv", {"gemv_dn_pairs": False}),
+    ("sorted", {"xmode": "split", "block_t": 16}), ("sorted", {"xmode": "split", "block_t": 32}),
+    ("generic_gemv", {"gemv_dn_pairs": False}),
     ("sorted", {"xmode": "quad", "block_t": 4, **MIXED})])
 def test_fused_moe_variants(path: str, cfg: dict) -> None:
     experts = _experts(True)
