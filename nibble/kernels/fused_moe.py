@@ -109,11 +109,13 @@ def fused_moe_generic(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     return fused_moe_launch(x, topk_weights, topk_ids, experts, path="generic_auto")
 
 
-def tuning_key(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, fp4: bool) -> dict[str, Any]:
+def tuning_key(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, fp4: bool,
+               num_routed_experts: int | None = None) -> dict[str, Any]:
     """The fields a `fused_moe` call looks its tuning-table entry up by (benchmarks/moe_winners.py writes entries
-    for them)."""
+    for them): the shapes of the experts held here (num_experts of them), and the pairs each gets, counted over
+    the num_routed_experts the router chooses among (default num_experts; more under expert parallelism)."""
     return {"tokens": tokens, "fp4": fp4, "hidden": hidden, "inter": inter, "experts": num_experts, "top_k": top_k,
-            "pairs_per_expert": tokens * top_k / num_experts}
+            "pairs_per_expert": tokens * top_k / (num_routed_experts or num_experts)}
 
 
 def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
@@ -146,7 +148,7 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         return out
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
-    key = tuning_key(t, h, inter, e, top_k, fp4)
+    key = tuning_key(t, h, inter, e, top_k, fp4, experts.routed_experts)
     generic = path.startswith("generic_") or not fp4
     cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
     cfg.update(config or {})

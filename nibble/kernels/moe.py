@@ -20,15 +20,24 @@ class MoEWeights:
     topk_counters: int32 zeros owned by the caller (a layer allocates them once with
     `topk_counters`), the counters of the Triton kernels' fused top-k sum, which leaves them zero
     again; None (or too few for a call): that sum takes its own launch. The reference ignores them.
+    num_routed_experts: the experts the router chooses among, on all ranks; under expert parallelism more
+    than the E held here, whose slots of other ranks' experts come as id -1. The kernels' tile choice reads
+    the pairs per expert from it (T * k / num_routed_experts: the pairs a held expert gets); None: E.
     """
 
     w13: torch.Tensor | NVFP4Tensor
     w2: torch.Tensor | NVFP4Tensor
     topk_counters: torch.Tensor | None = None
+    num_routed_experts: int | None = None
 
     @property
     def num_experts(self) -> int:
         return int(self.w13.shape[0])
+
+    @property
+    def routed_experts(self) -> int:
+        """`num_routed_experts`, or this object's E where it is None (no expert parallelism)."""
+        return self.num_routed_experts or self.num_experts
 
     @property
     def intermediate_size(self) -> int:

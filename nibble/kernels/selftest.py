@@ -274,14 +274,17 @@ def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
     h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     e = min(c.num_experts, moe_test_experts(ctx))
     quantized = c.quant is not None and c.quant.is_quantized("model.layers.0.mlp.experts")
+    # tiles are chosen by the pairs per expert over the model's experts, so each size runs the model's tile
+    # (the fewer experts allocated here just get more pairs each)
     if quantized:
         experts = MoEWeights(_random_nvfp4(ctx, e, 2 * inter, h), _random_nvfp4(ctx, e, h, inter),
-                             topk_counters(h, ctx.device))
+                             topk_counters(h, ctx.device), num_routed_experts=c.num_experts)
     else:
-        experts = MoEWeights(ctx.randn(e, 2 * inter, h, scale=h ** -0.5), ctx.randn(e, h, inter, scale=inter ** -0.5))
+        experts = MoEWeights(ctx.randn(e, 2 * inter, h, scale=h ** -0.5), ctx.randn(e, h, inter, scale=inter ** -0.5),
+                             num_routed_experts=c.num_experts)
     worst = 0.0
-    # the last size reaches the prefill tile configuration (GPU only: the interpreter is too slow)
-    for t in (1, 3, 40, 300) + ((1500,) if ctx.device.type == "cuda" else ()):
+    # the last sizes reach the larger sorted blocks and the prefill tile (GPU only: the interpreter is too slow)
+    for t in (1, 3, 40, 300) + ((700, 1500) if ctx.device.type == "cuda" else ()):
         x = ctx.randn(t, h)
         w, ids = route_ref(ctx.randn(t, e, dtype=torch.float32), k, True)
         out = _call(fn, ctx.device, [((t, h), ctx.dtype)], x, w, ids, experts)

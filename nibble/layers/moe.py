@@ -118,8 +118,9 @@ class RoutedExperts(nn.Module):
     def weights(self) -> MoEWeights:
         if self.quantized:
             return MoEWeights(NVFP4Tensor(self.w13, self.w13_scale, self.w13_global),
-                              NVFP4Tensor(self.w2, self.w2_scale, self.w2_global), self.topk_counters)
-        return MoEWeights(self.w13, self.w2)
+                              NVFP4Tensor(self.w2, self.w2_scale, self.w2_global), self.topk_counters,
+                              num_routed_experts=self.num_experts)
+        return MoEWeights(self.w13, self.w2, num_routed_experts=self.num_experts)
 
     def localize(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Under expert parallelism, global top-k (weights fp32 [T, k], ids int32 [T, k]) -> ids of this

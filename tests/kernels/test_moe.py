@@ -185,6 +185,27 @@ def test_fused_moe_skips_expert_minus_one(fp4: bool, path: str, cfg: dict) -> No
     assert rel_err(ref, fused_moe_ref(x, w_kept, ids_kept, experts)) < 1e-6
 
 
+def test_fused_moe_tile_choice_counts_pairs_over_all_ranks_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under expert parallelism a rank holds E of the router's experts and gets id -1 for the others' slots: the
+    tuning key's pairs per expert is T * k over all the router's experts (what a held expert gets), not over E,
+    and the result is the reference's whatever tile that picks."""
+    import nibble.kernels.fused_moe as fm
+
+    keys: list[dict] = []
+    real = fm.lookup
+    monkeypatch.setattr(fm, "lookup", lambda op, dev, key: keys.append(key) or real(op, dev, key))
+    held = _experts(True)
+    experts = MoEWeights(held.w13, held.w2, held.topk_counters, num_routed_experts=4 * E)
+    t = 9
+    x = torch.randn(t, H)
+    w, global_ids = route_ref(torch.randn(t, 4 * E), K)
+    ids = torch.where(global_ids < E, global_ids, -1).to(torch.int32)  # this rank holds experts 0..E-1
+    out = fused_moe_launch(x, w, ids, experts)
+    assert keys[-1]["pairs_per_expert"] == t * K / (4 * E) and keys[-1]["experts"] == E
+    assert rel_err(out, fused_moe_ref(x, w, ids, experts)) < 1e-5
+    assert fm.tuning_key(t, H, I, E, K, True)["pairs_per_expert"] == t * K / E
+
+
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("path,t,cfg", [
     ("gemv", 3, {"dn_mode": "fused"}), ("gemv", 2, {"xmode": "split", "dn_block_k": 128}),
@@ -289,3 +310,17 @@ def test_routed_experts_own_their_topk_counters() -> None:
     assert a is not None and b is not None and a.data_ptr() != b.data_ptr()
     assert a.dtype == torch.int32 and int(a.abs().sum()) == 0 and a.numel() >= 16 * (H // 16)
     assert all("topk_counters" not in k for k in layers[0].state_dict())
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_expert_parallel_weights_name_all_routed_experts(quantized: bool) -> None:
+    """An expert-parallel rank's weights hold its share of the experts and name how many the router chooses
+    among, which `fused_moe` counts pairs per expert over."""
+    from nibble.layers.moe import RoutedExperts
+    from nibble.layers.parallel import ParallelContext
+
+    ep = RoutedExperts(4 * E, H, I, quantized=quantized, dtype=torch.float32, device="cpu",
+                       parallel=ParallelContext(1, 4, expert_parallel=True)).weights()
+    assert ep.num_experts == E and ep.num_routed_experts == ep.routed_experts == 4 * E
+    whole = RoutedExperts(E, H, I, quantized=quantized, dtype=torch.float32, device="cpu").weights()
+    assert whole.routed_experts == whole.num_experts == E
