@@ -266,6 +266,10 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
   run "moejson${MOE_TAG:-}" "${MOE_LIMIT:-480}" python3 benchmarks/moe_bench.py --models "${MOE_MODELS:-122B,397B,35B}" \
     --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
 }
+stage_moeshards() {  # the table's choice on one rank's share of tensor- / expert-parallel layers (moe_bench.py `spec`)
+  run moeshards 300 python3 benchmarks/moe_bench.py --models "${MOE_SHARDS:-122B/tp2,122B/tp4,397B/tp4,397B/tp8,397B/ep8}" \
+    --tokens "${MOE_TOKENS:-1,4,16,64,256,1024,4096}" --only '^auto$' --out "$OUT/moeshards.json"
+}
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
   local r
   for r in 1 2; do

@@ -3,6 +3,9 @@ counts, several tile configurations per size, each checked against `fused_moe_re
 
     python benchmarks/moe_bench.py --out out/moe.json [--models 122B,35B] [--tokens 1,8,32,128,2048] [--sweep]
 
+A model may also be one rank's share of a tensor- or expert-parallel layer, e.g. `--models 122B/tp2,397B/ep8`
+(`spec`): the kernels a rank runs, timed on one GPU.
+
 Per (model, T, variant) it reports two times:
 - `cold`: median over CUDA-graph replays of the op alone, L2 flushed (256 MiB write) before each replay;
   comparable to benchmarks/kernels.py (the graph launch itself is inside the measured interval).
@@ -10,8 +13,9 @@ Per (model, T, variant) it reports two times:
   layers of a decode step: weights cold in L2, back-to-back launches, no per-op graph launch); time / op.
 Bandwidth counts the bytes that must be read (distinct experts hit x bytes per expert incl. scales, plus
 x and out); % is of the copy ceiling measured at start (read + write). Prefill also reports TFLOP/s
-(2 * T * k * 3 * I * H) and % of `--gemm-tflops`. `err` is ||out - ref|| / ||ref|| against the fp32
-reference on the same weights (bf16 activations: expect ~3e-3; > 2e-2 is flagged).
+(2 * pairs * 3 * I * H, the pairs of the experts held) and % of `--gemm-tflops`. `err` is
+||out - ref|| / ||ref|| against the fp32 reference on the same weights (bf16 activations: expect ~3e-3;
+> 2e-2 is flagged).
 Kernel compilation is done first, in parallel worker processes sharing Triton's cache.
 """
 
@@ -46,6 +50,24 @@ MODELS = {
     "35B": {"hidden": 2048, "experts": 256, "top_k": 8, "inter": 512},
     "397B": {"hidden": 4096, "experts": 512, "top_k": 10, "inter": 1024},
 }
+
+
+def spec(model: str) -> dict[str, int]:
+    """Layer shapes of `model`: a MODELS name, or one rank's share of it, "122B/tp4" (tensor parallel: every
+    expert, I / 4 of its features) or "397B/ep8" (expert parallel: 1/8 of the experts, whole; the router still
+    chooses among all, and slots routed elsewhere come as id -1). "routed": the router's expert count."""
+    name, _, shard = model.partition("/")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {model!r}: one of {sorted(MODELS)}, optionally /tpN or /epN")
+    m = {**MODELS[name], "routed": MODELS[name]["experts"]}
+    if not shard:
+        return m
+    kind, n = shard[:2], int(shard[2:]) if shard[2:].isdigit() else 0
+    if kind == "tp" and n > 0 and m["inter"] % (16 * n) == 0:
+        return {**m, "inter": m["inter"] // n}
+    if kind == "ep" and n > 0 and m["experts"] % n == 0:
+        return {**m, "experts": m["experts"] // n}
+    raise ValueError(f"bad shard {shard!r} of {name}: tpN with I / N a multiple of 16, or epN dividing the experts")
 PREFILL_T = 512  # T above this counts as prefill (TFLOP/s reported)
 LAYERS = 4
 
@@ -180,7 +202,7 @@ def _variants(model: str, t: int, sweep: bool | str) -> list[tuple[str, str, dic
 
 
 def random_experts(model: str, dev: torch.device, gen: torch.Generator, empty: bool = False) -> MoEWeights:
-    m = MODELS[model]
+    m = spec(model)
     e, h, inter = m["experts"], m["hidden"], m["inter"]
 
     def w(n: int, k: int) -> NVFP4Tensor:
@@ -194,7 +216,7 @@ def random_experts(model: str, dev: torch.device, gen: torch.Generator, empty: b
         return NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn),
                            (torch.rand(e, n, device=dev, generator=gen) + 0.5) * (0.5 / k ** 0.5))
 
-    return MoEWeights(w(2 * inter, h), w(h, inter), topk_counters(h, dev))
+    return MoEWeights(w(2 * inter, h), w(h, inter), topk_counters(h, dev), num_routed_experts=m["routed"])
 
 
 def _compile_worker(job: tuple[str, int, str, dict]) -> tuple[str, float, str]:
@@ -202,7 +224,7 @@ def _compile_worker(job: tuple[str, int, str, dict]) -> tuple[str, float, str]:
     t0 = time.perf_counter()
     try:
         dev = torch.device("cuda")
-        m = MODELS[model]
+        m = spec(model)
         experts = random_experts(model, dev, torch.Generator(dev), empty=True)
         x = torch.zeros(t, m["hidden"], device=dev, dtype=torch.bfloat16)
         ids = torch.randint(0, m["experts"], (t, m["top_k"]), dtype=torch.int32, device=dev)
@@ -264,15 +286,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     for t in tokens:
         for model in models:
-            m = MODELS[model]
+            m = spec(model)
             h, e, k, inter = m["hidden"], m["experts"], m["top_k"], m["inter"]
             layers = stacks[model]
             per_expert = (layers[0].w13.nbytes() + layers[0].w2.nbytes()) / e
             x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-            w, ids = route(torch.randn(t, e, device=dev, generator=gen), k)
-            hit = int(torch.unique(ids).numel())
+            w, ids = route(torch.randn(t, m["routed"], device=dev, generator=gen), k)
+            ids = torch.where(ids < e, ids, -1).to(torch.int32)  # expert parallel: this rank holds experts 0..e-1
+            hit = int(torch.unique(ids[ids >= 0]).numel())
             nbytes = hit * per_expert + 2 * t * h * 2
-            flops = 2 * t * k * 3 * inter * h
+            flops = 2 * int((ids >= 0).sum()) * 3 * inter * h
             ref = fused_moe_ref(x.float(), w, ids, layers[0])
             for name, path, cfg in variants(model, t, args.sweep, args.only, dict(args.variant)):
                 if time.perf_counter() - t_start > args.budget_s:
@@ -283,7 +306,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     out = fused_moe_launch(x, w, ids, layers[0], path=path, config=cfg)
                     torch.cuda.synchronize()
-                    rec["err"] = float((out.float() - ref).norm() / ref.norm())
+                    diff, den = (out.float() - ref).norm(), ref.norm()
+                    # an expert-parallel rank may hold none of a small batch's experts: then out must be 0 too
+                    rec["err"] = float(diff / den) if den > 0 else float(diff)
                     fns = [partial(fused_moe_launch, x, w, ids, lw, path=path, config=cfg) for lw in layers]
                     rec["cold_us"] = timer.cold_us(fns[0])
                     rec["stream_us"] = timer.stream_us(fns)
