@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nibble.kernels import tuning_tables
-from nibble.kernels.fused_moe import DN_MODES
+from nibble.kernels.fused_moe import DN_MODES, tuning_key
 from nibble.kernels.tuning_tables import TUNING_DIR, lookup
 
 # the fields of each op's lookup key, as its wrapper builds it (fused_moe.py, nvfp4_linear.py, paged_attention.py)
@@ -62,8 +62,11 @@ def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_lookup_ranges() -> None:
-    assert lookup("fused_moe", "cpu", {"tokens": 1, "fp4": True})["path"] == "gemv"
-    assert lookup("fused_moe", "cpu", {"tokens": 5000, "fp4": True})["path"] == "sorted"
+    assert lookup("fused_moe", "cpu", tuning_key(1, 3072, 1024, 256, 8, True))["path"] == "gemv"
+    assert lookup("fused_moe", "cpu", tuning_key(5000, 3072, 1024, 256, 8, True))["path"] == "sorted"
+    # past 512 tokens the sorted blocks follow the pairs per expert (T * k / experts)
+    blocks = [lookup("fused_moe", "cpu", tuning_key(t, 3072, 1024, 256, 8, True))["block_t"] for t in (512, 576, 1024)]
+    assert blocks == [16, 32, 64]
     assert lookup("paged_attention", "cpu", {"decode": True, "head_dim": 256})["max_splits"] >= 1
 
 
@@ -108,6 +111,6 @@ def test_misspelt_when_field_is_an_error(monkeypatch: pytest.MonkeyPatch) -> Non
     tuning_tables._resolve.cache_clear()
     try:
         with pytest.raises(ValueError, match=r"cpu\.json: entry 0 of 'fused_moe' tests 'min_hiden'"):
-            lookup("fused_moe", "cpu", {"tokens": 8, "fp4": True, "hidden": 3072})
+            lookup("fused_moe", "cpu", tuning_key(8, 3072, 1024, 256, 8, True))
     finally:
         tuning_tables._resolve.cache_clear()
