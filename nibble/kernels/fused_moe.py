@@ -36,10 +36,10 @@ their software pipelines shallow (3-4 stages): 0.4-4% faster than 4-6 at 1-512 t
 Tuning fields `gu_tma` / `dn_tma` (per tile, `lg_` for the mixed path's second) load the weight tiles through
 Hopper tensor descriptors (tma.py): on the H200 in the split-16 gate_up (1-4.5% less time at 256-512 tokens) and
 the prefill tiles (11-17% less at 1024-8192, 122B T=2048 1.50 ms), not in the smaller decode tiles (3-13% slower).
-Past 512 tokens the block size follows the pairs per expert, not the token count: the 64-slot prefill blocks
-run one-third to half full at 12-28 pairs per expert, so split-16 blocks take up to 16 and split-32 up to 28,
-the latter with a 256-row down tile (on an H100: 13-25% faster at 576-896 tokens of the 122B and 35B layers,
-23-34% at 576-1280 of the 397B, whose 576 tokens took 2.44 ms and take 1.62). From 1280 tokens at hidden
+Past 512 tokens the block size follows the pairs per expert, not the token count (default.json too): 64-slot
+prefill blocks run one-third to half full at 12-28 pairs per expert, so split-16 blocks take up to 16 and split-32
+up to 28, the latter with a 256-row down tile (on an H100: 13-25% faster at 576-896 tokens of the 122B and 35B
+layers, 23-34% at 576-1280 of the 397B, whose 576 tokens took 2.44 ms and take 1.62). From 1280 tokens at hidden
 3072+ (4096 at 2048) the prefill tile's down has 256 rows too, half the L2 re-reads of each block's
 activations: 1.4-8% faster at 1536-8192 tokens (and for hidden 2048 at 192-512 tokens, 2.6-6.2%).
 """
