@@ -15,20 +15,22 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_bench import MAX_ERR, MODELS
+from moe_bench import MAX_ERR, spec
 
 from nibble.kernels.fused_moe import tuning_key
 from nibble.kernels.tuning_tables import lookup
 
 
-def winners(result: dict[str, Any], models: dict[str, dict[str, int]], device: str, min_gain: float,
+def winners(result: dict[str, Any], shapes: Callable[[str], dict[str, int]], device: str, min_gain: float,
             only: str = "") -> list[dict[str, Any]]:
-    """Entries `{"when": ..., "config": ..., "measured": ...}` of the winning variants, one per (model, T)."""
+    """Entries `{"when": ..., "config": ..., "measured": ...}` of the winning variants, one per (model, T);
+    shapes: a moe_bench model name (whole layer or one rank's share) -> its layer shapes (`moe_bench.spec`)."""
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in result["records"]:
         by.setdefault((r["model"], r["T"]), []).append(r)
@@ -43,8 +45,8 @@ def winners(result: dict[str, Any], models: dict[str, dict[str, int]], device: s
         gain = 100 * (1 - best["stream_us"] / auto["stream_us"])
         if gain < min_gain:
             continue
-        m = models[model]
-        key = tuning_key(t, m["hidden"], m["inter"], m["experts"], m["top_k"], fp4=True)
+        m = shapes(model)
+        key = tuning_key(t, m["hidden"], m["inter"], m["experts"], m["top_k"], True, m["routed"])
         when = {f: key[f] for f in ("tokens", "hidden", "inter", "experts", "top_k")}
         config = {**lookup("fused_moe", device, key), **best["config"]}
         entries.append({"when": when, "config": config,
@@ -62,7 +64,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="regular expression the variant names must match")
     ap.add_argument("--device", default="cuda:0", help="whose tables give the base configuration")
     args = ap.parse_args()
-    entries = winners(json.loads(args.result.read_text()), MODELS, args.device, args.min_gain, args.only)
+    entries = winners(json.loads(args.result.read_text()), spec, args.device, args.min_gain, args.only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(entries, indent=1) + "\n")
     for e in entries:
