@@ -270,6 +270,7 @@ stage_moeshards() {  # the table's choice on one rank's share of tensor- / exper
   run moeshards 300 python3 benchmarks/moe_bench.py --models "${MOE_SHARDS:-122B/tp2,122B/tp4,397B/tp4,397B/tp8,397B/ep8}" \
     --tokens "${MOE_TOKENS:-1,4,16,64,256,1024,4096}" --only '^auto$' --out "$OUT/moeshards.json"
 }
+stage_gluonprobe() { run gluonprobe 150 python3 benchmarks/gluon_probe.py; }  # Gluon on this Triton: names, async-wgmma GEMM
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
   local r
   for r in 1 2; do
