@@ -29,15 +29,19 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError as e:  # the probe's first answer: this Triton's Gluon lacks what a Hopper kernel needs
+    sys.exit(f"gluon_probe: Triton {triton.__version__} has no usable Gluon for Hopper: {e}")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
