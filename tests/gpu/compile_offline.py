@@ -55,11 +55,34 @@ class StandInDriver:
         return torch.cuda
 
 
+def compile_without_launch(on_compiled: Callable[[str, object], None]) -> None:
+    """From now on every Triton launch compiles its kernel (as a warm-up) instead of running it, and hands the
+    kernel's name and the compiled kernel to `on_compiled`. Set the stand-in driver first."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        on_compiled(self.fn.__name__, kernel)
+        return kernel
+
+    JITFunction.run = compile_only
+
+
+def zero_nvfp4(*shape: int):
+    """An all-zero NVFP4Tensor of logical shape [..., N, K] on the CPU (compile-only launches read nothing)."""
+    from nibble.formats.nvfp4 import NVFP4Tensor
+
+    *lead, n, k = shape
+    return NVFP4Tensor(torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                       torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET")
     from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
 
     scan_ptxas = "--ptxas" in sys.argv[1:]
     ccs = [int(a) for a in sys.argv[1:] if a != "--ptxas"] or [90]
@@ -67,17 +90,9 @@ def main() -> int:
     driver.set_active(target)
     compiled: list[tuple[str, object, str]] = []  # (kernel name, compiled kernel, the `attempt` that launched it)
     current = {"attempt": ""}
-    run = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel, current["attempt"]))
-        return kernel
-
-    JITFunction.run = compile_only
+    compile_without_launch(lambda name, kernel: compiled.append((name, kernel, current["attempt"])))
 
     import nibble.kernels._triton as tri
-    from nibble.formats.nvfp4 import NVFP4Tensor
     from nibble.kernels import activation, attention, conv1d, gated_delta, gdn_gating, moe_align, moe_route, norm, rope
     from nibble.kernels import dense_gemv as dl
     from nibble.kernels import fused_moe as fm
@@ -100,11 +115,6 @@ def main() -> int:
         except Exception as e:
             errors.append((name, f"{type(e).__name__}: {str(e)[-400:]}"))
             traceback.print_exc()
-
-    def nvfp4(*shape: int) -> NVFP4Tensor:
-        *lead, n, k = shape
-        return NVFP4Tensor(torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
-                           torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(*lead, n))
 
     def configs(op: str) -> list[dict]:
         tables = [t for stem, t in all_tables if table_cc[stem] in (None, target.cc)]
@@ -163,7 +173,7 @@ def main() -> int:
         attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
         attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
         attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
-        w4 = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter), topk_counters(h, "cpu"))
+        w4 = MoEWeights(zero_nvfp4(e, 2 * inter, h), zero_nvfp4(e, h, inter), topk_counters(h, "cpu"))
         dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
@@ -182,7 +192,7 @@ def main() -> int:
                             attempt(f"{op} {path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
                                     torch.randn(t, h, dtype=dt), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32),
                                     experts, path=path, config={**cfg, **mode, **dec})
-        w = nvfp4(4096, 3072)
+        w = zero_nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):
                 for dt in (bf, torch.float16):

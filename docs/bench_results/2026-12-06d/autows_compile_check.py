@@ -1,8 +1,8 @@
 """Offline sm_90 compile of the MoE kernels with `warp_specialize` on their K loops (thirty-fourth session).
 
 Needs `autows_experiment.diff` applied (tuning fields gu_ws / dn_ws), Triton without a GPU, TRITON_INTERPRET
-unset; uses `StandInDriver` of tests/gpu/compile_offline.py. Prints, per tile and flag, what compiled (shared
-memory, warps) or the compiler's failure.
+unset; uses `StandInDriver`, `compile_without_launch` and `zero_nvfp4` of tests/gpu/compile_offline.py. Prints,
+per tile and flag, what compiled (shared memory, warps) or the compiler's failure.
 """
 
 from __future__ import annotations
@@ -12,39 +12,29 @@ from pathlib import Path
 
 import torch
 from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests/gpu")]
 
-from compile_offline import StandInDriver  # noqa: E402
+from compile_offline import StandInDriver, compile_without_launch, zero_nvfp4  # noqa: E402
 
-from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import fused_moe as fm  # noqa: E402
 from nibble.kernels.moe import MoEWeights  # noqa: E402
 
 
 def main() -> None:
     driver.set_active(StandInDriver(90))
-    run = JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+    def report(name: str, kernel) -> None:
         ptx = kernel.asm["ptx"]
-        print(f"  compiled {self.fn.__name__}: smem {kernel.metadata.shared}, warps {kernel.metadata.num_warps}, "
+        print(f"  compiled {name}: smem {kernel.metadata.shared}, warps {kernel.metadata.num_warps}, "
               f"cp.async {ptx.count('cp.async')}, mbarrier {ptx.count('mbarrier')}")
-        return kernel
 
-    JITFunction.run = compile_only
+    compile_without_launch(report)
     fm.pdl_supported = lambda _d: True
     fm.tma_supported = lambda _d: True
-
-    def nvfp4(e: int, n: int, k: int) -> NVFP4Tensor:
-        return NVFP4Tensor(torch.zeros(e, n, k // 2, dtype=torch.uint8),
-                           torch.zeros(e, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(e, n))
-
     h, inter, e, k = 3072, 1024, 256, 8
-    experts = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
+    experts = MoEWeights(zero_nvfp4(e, 2 * inter, h), zero_nvfp4(e, h, inter))
     small = {"path": "gemv", "xmode": "quad", "block_t": 2, "gu_block_n": 16, "gu_block_k": 256, "gu_warps": 2,
              "gu_stages": 4, "dn_mode": "fused", "dn_block_n": 32, "dn_block_k": 256, "dn_warps": 2, "dn_stages": 3,
              "chunk_pairs": 65536, "dec": 3}

@@ -1,7 +1,8 @@
 """Offline sm_90 compile of the MoE prefill tiles (thirty-fifth session): shared memory, registers and a few SASS
 counts (HGMMA, wgmma waits, shared loads/stores, barriers) per kernel, for the 122B-A10B layer at 2048 tokens.
 
-Needs Triton without a GPU and TRITON_INTERPRET unset; uses `StandInDriver` of tests/gpu/compile_offline.py.
+Needs Triton without a GPU and TRITON_INTERPRET unset; uses `StandInDriver`, `compile_without_launch` and
+`zero_nvfp4` of tests/gpu/compile_offline.py.
 `VARIANTS=<json of named tuning overrides>` (default: tok_variants.json beside this file, which needs
 `tok_mode_experiment.diff` applied); arguments select variants by substring.
 """
@@ -19,15 +20,13 @@ from pathlib import Path
 import torch
 import triton
 from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests/gpu")]
 
-from compile_offline import StandInDriver  # noqa: E402
+from compile_offline import StandInDriver, compile_without_launch, zero_nvfp4  # noqa: E402
 
-from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
 from nibble.kernels import fused_moe as fm  # noqa: E402
 from nibble.kernels.moe import MoEWeights  # noqa: E402
 
@@ -51,25 +50,16 @@ def sass_stats(kernel) -> dict[str, str | int]:
 
 def main() -> None:
     driver.set_active(StandInDriver(90))
-    run = JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        if "w4" in self.fn.__name__:
-            print(f"  {self.fn.__name__}: smem {kernel.metadata.shared}, warps {kernel.metadata.num_warps}, "
-                  f"{sass_stats(kernel)}")
-        return kernel
+    def report(name: str, kernel) -> None:
+        if "w4" in name:
+            print(f"  {name}: smem {kernel.metadata.shared}, warps {kernel.metadata.num_warps}, {sass_stats(kernel)}")
 
-    JITFunction.run = compile_only
+    compile_without_launch(report)
     fm.pdl_supported = lambda _d: True
     fm.tma_supported = lambda _d: True
-
-    def nvfp4(e: int, n: int, k: int) -> NVFP4Tensor:
-        return NVFP4Tensor(torch.zeros(e, n, k // 2, dtype=torch.uint8),
-                           torch.zeros(e, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(e, n))
-
     h, inter, e, k, t = 3072, 1024, 256, 8, 2048
-    experts = MoEWeights(nvfp4(e, 2 * inter, h), nvfp4(e, h, inter))
+    experts = MoEWeights(zero_nvfp4(e, 2 * inter, h), zero_nvfp4(e, h, inter))
     variants = json.loads(Path(os.environ.get("VARIANTS", HERE / "tok_variants.json")).read_text())
     for name, cfg in [("table prefill tile", {}), *variants.items()]:
         if sys.argv[1:] and not any(s in name for s in sys.argv[1:]):
