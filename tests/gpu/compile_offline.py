@@ -192,6 +192,16 @@ def main() -> int:
                             attempt(f"{op} {path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
                                     torch.randn(t, h, dtype=dt), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32),
                                     experts, path=path, config={**cfg, **mode, **dec})
+        # a tensor-parallel rank's share (397B at tp 8: I = 128, below the tables' down K blocks)
+        tp8 = MoEWeights(zero_nvfp4(512, 256, 4096), zero_nvfp4(512, 4096, 128), topk_counters(4096, "cpu"))
+        for cfg in configs("fused_moe"):
+            for dec in [{}, {"dec": 3}] if cc >= 89 else [{}]:
+                for path, t in (("gemv", 2), ("sorted", 40)):
+                    if path == "sorted" and cfg["path"] == "gemv":
+                        continue
+                    attempt(f"fused_moe 397B/tp8 {path} {cfg} {dec}", fm.fused_moe_launch,
+                            torch.randn(t, 4096, dtype=bf), torch.rand(t, 10), torch.zeros(t, 10, dtype=torch.int32),
+                            tp8, path=path, config={**cfg, **dec})
         w = zero_nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):

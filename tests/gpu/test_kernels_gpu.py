@@ -420,6 +420,21 @@ def test_fused_moe(name: str, fp4: bool) -> None:
             assert rel(out, ref) < TOL, (t, path, rel(out, ref))
 
 
+@pytest.mark.parametrize("name,tp", [("397B", 8), ("122B", 4)])
+def test_fused_moe_tensor_parallel_share(name: str, tp: int) -> None:
+    """One rank's share of a tensor-parallel layer (I / tp features of every expert: 128 for the 397B at tp 8),
+    whose tiles the tables pick by I and whose down K blocks are cut to half of I, at decode, mid and prefill
+    sizes."""
+    c = config(name)
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size // tp, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
+    for t in (1, 4, 64, 256, 700, 2048):
+        x = torch.randn(t, h, device=DEV, dtype=BF16)
+        w, ids = route_ref(torch.randn(t, e, device=DEV), k)
+        out = fused_moe_launch(x, w, ids, experts)
+        assert rel(out, fused_moe_ref(x.float(), w, ids, experts)) < TOL, t
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 def test_fused_moe_nvfp4_dtypes_and_skipped_experts(dtype: torch.dtype) -> None:
     """Every decode variant (bf16 / fp16 activations with the e4m3-converter decode and with the shift

@@ -206,6 +206,19 @@ def test_fused_moe_tile_choice_counts_pairs_over_all_ranks_experts(monkeypatch: 
     assert fm.tuning_key(t, H, I, E, K, True)["pairs_per_expert"] == t * K / E
 
 
+@pytest.mark.parametrize("inter,table_k,launched_k", [(128, 256, 64), (256, 256, 128), (1024, 256, 256), (128, 32, 32),
+                                                     (48, 256, 64)])
+def test_down_k_block_at_most_half_the_intermediate_size(inter: int, table_k: int, launched_k: int) -> None:
+    """A tensor-parallel rank holds I / tp features of each expert (128 for the 397B at tp 8): down's K block is
+    cut to at most half of I (but not below 64), so no K step is mostly masked and the loop has two steps to
+    pipeline; full layers keep the table's block."""
+    import nibble.kernels.fused_moe as fm
+
+    cfg = fm.lookup("fused_moe", "cpu", fm.tuning_key(256, 4096, inter, 512, 10, True))
+    cfg["dn_block_k"] = table_k
+    assert fm._tile(cfg, "", 1, 4096, inter)["dbk"] == launched_k
+
+
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("path,t,cfg", [
     ("gemv", 3, {"dn_mode": "fused"}), ("gemv", 2, {"xmode": "split", "dn_block_k": 128}),
