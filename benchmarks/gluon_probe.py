@@ -1,18 +1,22 @@
 """Probe of Triton's Gluon dialect on this GPU (Hopper): can the installed Triton run a GEMM whose weights are
-converted in registers, stored to shared memory and multiplied by asynchronous wgmma that overlaps the next
-step's conversion, and how fast is it against cuBLAS on the same bf16 weights?
+converted in registers and multiplied by asynchronous wgmma that overlaps the next step's conversion, and how
+fast is it against cuBLAS on the same bf16 weights?
 
-    python benchmarks/gluon_probe.py [--m 2048 --n 4096 --k 4096]
+    python benchmarks/gluon_probe.py [--m 2048 --n 4096 --k 4096] [--only REGEX]
 
 The MoE prefill kernels (moe_w4.py) reach about a third of the bf16 GEMM rate: Triton waits for every wgmma,
 so the FP4 decode never overlaps the tensor cores (docs/benchmarks.md, sixth and thirty-fifth sessions). Gluon
-schedules by hand. Two kernels convert int8 weights (a stand-in for the FP4 decode) into shared memory:
-- `dq_gemm_kernel`, one partition: each step stores its tiles into one of two buffers, then issues an async
-  wgmma and waits for the one before (`warpgroup_mma_wait(1)`). Offline (Triton 3.7.1, sm_90a), ptxas still
-  serialises its wgmma (advisory C7515), as soon as the loop stores to shared memory;
-- `ws_dq_gemm_kernel`, warp-specialised: a 4-warp producer partition loads, converts and stores the tiles of a
-  STAGES-deep ring and signals an mbarrier; the 4-warp consumer partition only waits on it and issues the
-  async wgmma. Offline, ptxas does not serialise it.
+schedules by hand. Three kernels convert int8 weights (a stand-in for the FP4 decode):
+- `dq_gemm_kernel`, one partition: each step stores its converted tiles into one of two shared-memory buffers,
+  then issues an async wgmma and waits for the one before (`warpgroup_mma_wait(1)`). ptxas serialises its
+  wgmma (advisory C7515) as soon as the loop stores to shared memory;
+- `ws_dq_gemm_kernel`, warp-specialised: a producer partition loads, converts and stores the tiles of a
+  STAGES-deep ring and signals an mbarrier (optionally with the next step's loads in flight); the 4-warp
+  consumer partition only waits on it and issues the async wgmma, which ptxas leaves asynchronous;
+- `rega_gemm_kernel`, one partition turned around: the converted weights are the wgmma's A operand straight
+  from registers, the activations arrive by TMA, so no thread stores to shared memory and the wgmma stays
+  asynchronous. On an H100 (Triton 3.6) it reached 54% of cuBLAS, the other two about a third
+  (docs/benchmarks.md, thirty-sixth session).
 Per kernel and tile it prints whether ptxas serialises the wgmma here, the error against torch and the time
 against `torch.matmul` on prestored bf16 weights, after the Gluon names the installed Triton has.
 """
@@ -37,20 +41,25 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError as e:  # the probe's first answer: this Triton's Gluon lacks what a Hopper kernel needs
     sys.exit(f"gluon_probe: Triton {triton.__version__} has no usable Gluon for Hopper: {e}")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the CTA-wide barrier: `barrier` from Triton 3.7, `thread_barrier` in 3.6
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 def available() -> dict[str, bool]:
     """The Gluon names the probe and a Gluon MoE kernel would use, present or not in this Triton."""
     names = {}
     for mod, attrs in ((gl, ("BlockedLayout", "NVMMADistributedLayout", "NVMMASharedLayout", "SliceLayout",
-                             "allocate_shared_memory", "warp_specialize", "barrier", "convert_layout")),
+                             "allocate_shared_memory", "warp_specialize", "barrier", "thread_barrier",
+                             "convert_layout")),
                        (hopper, ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "tma", "mbarrier"))):
         for a in attrs:
             names[f"{mod.__name__.rsplit('.', 1)[-1]}.{a}"] = hasattr(mod, a)
@@ -90,7 +99,7 @@ def dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl
         a_s.index(buf).store(a)
         b_s.index(buf).store(w.to(gl.bfloat16))
         fence_async_shared()
-        gl.barrier()
+        cta_barrier()
         acc = warpgroup_mma(a_s.index(buf), b_s.index(buf).permute((1, 0)), acc, is_async=True)
         more = (rk < K - k - BK)[None, :]
         a = gl.load(a_rows + k + BK, mask=more, other=0.0)
@@ -136,11 +145,39 @@ def _ws_producer(a_ptr, w_ptr, a_s, b_s, ready, empty, K, BM: gl.constexpr, BN: 
 
 
 @gluon.jit
+def _ws_producer_pf(a_ptr, w_ptr, a_s, b_s, ready, empty, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                    STAGES: gl.constexpr, PW: gl.constexpr):
+    """`_ws_producer` with PW warps that issues step i + 1's loads before it waits for and fills step i's stage:
+    the plain producer has one load in flight, so its loop runs at one global-memory latency a step."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])
+    rm = gl.program_id(0) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+    rn = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
+    a_rows = a_ptr + rm.to(gl.int64)[:, None] * K + rk[None, :]
+    w_rows = w_ptr + rn.to(gl.int64)[:, None] * K + rk[None, :]
+    a = gl.load(a_rows)
+    w = gl.load(w_rows)
+    for i in range(K // BK):
+        st = i % STAGES
+        more = (rk < K - (i + 1) * BK)[None, :]
+        a_next = gl.load(a_rows + (i + 1) * BK, mask=more, other=0.0)
+        w_next = gl.load(w_rows + (i + 1) * BK, mask=more, other=0)
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+        a_s.index(st).store(a)
+        b_s.index(st).store(w.to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.arrive(ready.index(st))
+        a = a_next
+        w = w_next
+
+
+@gluon.jit
 def ws_dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, PREFETCH: gl.constexpr = False, PW: gl.constexpr = 4):
     """`dq_gemm_kernel`'s product, warp-specialised: a 4-warp producer fills a STAGES-deep ring of converted
     tiles, the 4-warp consumer (launched with num_warps=4) runs the wgmma. Gluon's mbarrier.arrive is one
-    arrival per partition (one elected thread after a partition barrier), hence the counts of 1."""
+    arrival per partition (one elected thread after a partition barrier), hence the counts of 1. PREFETCH: the
+    producer `_ws_producer_pf` with PW warps instead."""
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
                                     gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
     b_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK],
@@ -150,22 +187,76 @@ def ws_dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
-    gl.warp_specialize([(_ws_consumer, (a_s, b_s, ready, empty, s_ptr, c_ptr, N, K, BM, BN, BK, STAGES)),
-                        (_ws_producer, (a_ptr, w_ptr, a_s, b_s, ready, empty, K, BM, BN, BK, STAGES))], [4], [232])
+    if PREFETCH:
+        gl.warp_specialize([(_ws_consumer, (a_s, b_s, ready, empty, s_ptr, c_ptr, N, K, BM, BN, BK, STAGES)),
+                            (_ws_producer_pf, (a_ptr, w_ptr, a_s, b_s, ready, empty, K, BM, BN, BK, STAGES, PW))],
+                           [PW], [232 if PW == 4 else 152])
+    else:
+        gl.warp_specialize([(_ws_consumer, (a_s, b_s, ready, empty, s_ptr, c_ptr, N, K, BM, BN, BK, STAGES)),
+                            (_ws_producer, (a_ptr, w_ptr, a_s, b_s, ready, empty, K, BM, BN, BK, STAGES))], [4], [232])
+
+
+@gluon.jit
+def rega_gemm_kernel(a_desc, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The same product turned around, c^T[BN, BM] = (w * s) @ a^T per tile: the converted weights are the wgmma's
+    A operand straight from registers and a's tiles arrive by TMA in a STAGES-deep ring, so no thread stores to
+    shared memory; the next step's weights load while this step's wgmma runs."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
+    w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    off_m = gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    n_k = K // BK
+    for j in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(j), BM * BK * 2)
+        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, w_l))
+    w_rows = w_ptr + rn.to(gl.int64)[:, None] * K + rk[None, :]
+    w = gl.load(w_rows)
+    acc = gl.zeros([BN, BM], gl.float32, acc_l)
+    for i in range(n_k):
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        acc = warpgroup_mma(w.to(gl.bfloat16), a_s.index(st).permute((1, 0)), acc, is_async=True)
+        w = gl.load(w_rows + (i + 1) * BK, mask=(rk < K - (i + 1) * BK)[None, :], other=0)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        # step i - 1's wgmma is done: its stage takes the tile of step i + STAGES - 1
+        nxt = i + STAGES - 1
+        if nxt < n_k:
+            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
+                                            a_s.index(nxt % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    out = acc * gl.load(s_ptr + cn)[:, None]
+    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
 
 
 def probe_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bm: int = 128, bn: int = 128, bk: int = 64,
-               warps: int = 4, ws: bool = False, stages: int = 3):
+               warps: int = 4, ws: bool = False, stages: int = 3, prefetch: bool = False, pw: int = 4,
+               rega: bool = False):
     """a [M, K] bf16, w [N, K] int8, s [N] fp32 -> ([M, N] bf16, the compiled kernel) through a probe kernel
-    (ws: the warp-specialised one, whose consumer has 4 warps)."""
+    (ws: the warp-specialised one, whose consumer has 4 warps; prefetch: its producer with pw warps and the next
+    step's loads in flight; rega: `rega_gemm_kernel`, bm tokens by bn weight rows per program)."""
     m, k = a.shape
     n = w.shape[0]
     if m % bm or n % bn or k % bk:
         raise ValueError(f"gluon_probe: M, N, K = {m}, {n}, {k} must be multiples of {bm}, {bn}, {bk}")
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     grid = (m // bm, n // bn)
-    if ws:
-        kernel = ws_dq_gemm_kernel[grid](a, w, s, c, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=4)
+    if rega:
+        desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+        kernel = rega_gemm_kernel[grid](desc, w, s, c, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, WARPS=warps,
+                                        num_warps=warps)
+    elif ws:
+        kernel = ws_dq_gemm_kernel[grid](a, w, s, c, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, PREFETCH=prefetch,
+                                           PW=pw, num_warps=4)
     else:
         kernel = dq_gemm_kernel[grid](a, w, s, c, m, n, k, BM=bm, BN=bn, BK=bk, WARPS=warps, num_warps=warps)
     return c, kernel
@@ -187,6 +278,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=2048)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
     args = ap.parse_args()
     print(f"triton {triton.__version__}")
     for name, ok in available().items():
@@ -208,7 +300,17 @@ def main() -> None:
              for bm, bn, bk, wp in ((128, 128, 64, 4), (64, 128, 64, 4), (128, 256, 64, 8), (128, 128, 64, 8))]
     tiles += [(f"warp-specialised {bm}x{bn}x{bk} s{st}", dict(bm=bm, bn=bn, bk=bk, ws=True, stages=st))
               for bm, bn, bk, st in ((64, 128, 64, 3), (64, 256, 64, 3), (128, 128, 64, 3), (64, 128, 64, 4))]
-    for name, kw in tiles:
+    tiles += [(f"warp-specialised, prefetching producer of {pw} warps {bm}x{bn}x{bk} s{st}",
+               dict(bm=bm, bn=bn, bk=bk, ws=True, stages=st, prefetch=True, pw=pw))
+              for bm, bn, bk, st, pw in ((128, 128, 64, 3, 4), (128, 128, 64, 4, 4), (64, 256, 64, 3, 4),
+                                         (128, 128, 64, 3, 8), (64, 256, 64, 4, 8), (128, 128, 128, 2, 4))]
+    tiles += [(f"weights from registers, tokens by TMA {bn}x{bm}x{bk} w{wp} s{st}",
+               dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st, rega=True))
+              for bn, bm, bk, wp, st in ((128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                                         (64, 256, 64, 4, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3),
+                                         (64, 256, 64, 4, 2), (64, 256, 64, 4, 4), (64, 128, 64, 4, 3),
+                                         (128, 256, 64, 8, 4), (64, 256, 32, 4, 4))]
+    for name, kw in [t for t in tiles if re.search(args.only, t[0])]:
         try:
             out, kernel = probe_gemm(a, w, s, **kw)
             torch.cuda.synchronize()
