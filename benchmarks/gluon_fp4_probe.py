@@ -1,0 +1,251 @@
+"""The NVFP4 version of gluon_probe.py's `rega_gemm_kernel`: W4A16 GEMM with the FP4 weights decoded in
+registers into the wgmma's A operand, the activations by TMA, timed against nibble's Triton `nvfp4_linear`
+(the same weight-stationary decode, which Triton waits on at every wgmma) and cuBLAS on bf16 weights.
+
+    python benchmarks/gluon_fp4_probe.py [--m 2048 --n 4096 --k 4096] [--only REGEX]
+
+Decode, exact: code c -> the bf16 bits ((c & 7) << 6) | ((c & 8) << 12) are the e2m1 value times 2^-126 (its
+exponent and mantissa bits land in bf16's, subnormal for c & 6 == 0), so one bf16 multiply by the block scale
+times 2^63 (an e4m3 value, exact in bf16) gives the weight times 2^-63; the per-row global scale times 2^63
+multiplies the fp32 accumulator at the end. Each thread's A registers hold K pairs (2j, 2j + 1), the two
+nibbles of packed byte j.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# gluon_probe exits with a message on a Triton without a Hopper Gluon
+from gluon_probe import (
+    TensorDescriptor,
+    gl,
+    gluon,
+    mbarrier,
+    serialised,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from nibble.kernels.fp4_tiles import DECODE_F16_CVT, F16_X_SHIFT
+
+# the decoded bits are the e2m1 value times 2^-126; the block scales carry 2^63 of that back and the global scale
+# the other 2^63 (a block scale up to 448 times 2^126 would overflow), so the MMA sees weights times 2^-63
+SCALE_BIAS = 2.0 ** 63
+CVT_ACC_SCALE = 2.0 ** (6 + F16_X_SHIFT)  # the converter decode's 2^-6 and the fp16 staging's 2^-F16_X_SHIFT
+
+
+@gluon.jit
+def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
+                         BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """c[M, N] = a[M, K] @ W^T for W [N, K] in NVFP4: q uint8 [N, K/2], sc fp32 [N, K/16] (block scale times
+    2^63), g fp32 [N] (global scale times 2^63); each program computes the tile c^T[BN, BM]; M, N, K multiples of the
+    blocks. The next step's weights load while this step's wgmma runs."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
+    w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    off_m = gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    n_k = K // BK
+    for j in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(j), BM * BK * 2)
+        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+    rk = gl.arange(0, BK, layout=gl.SliceLayout(0, w_l))
+    q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 2) + (rk // 2)[None, :]
+    s_rows = sc_ptr + rn.to(gl.int64)[:, None] * (K // 16) + (rk // 16)[None, :]
+    shift = ((rk & 1) * 4)[None, :]
+    q = gl.load(q_rows)
+    sc = gl.load(s_rows)
+    acc = gl.zeros([BN, BM], gl.float32, acc_l)
+    for i in range(n_k):
+        st = i % STAGES
+        code = (q.to(gl.int32) >> shift) & 15
+        bits = ((code & 7) << 6) | ((code & 8) << 12)
+        w = bits.to(gl.int16).to(gl.bfloat16, bitcast=True) * sc.to(gl.bfloat16)
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        acc = warpgroup_mma(w, a_s.index(st).permute((1, 0)), acc, is_async=True)
+        more = (rk < K - (i + 1) * BK)[None, :]
+        q = gl.load(q_rows + (i + 1) * (BK // 2), mask=more, other=0)
+        sc = gl.load(s_rows + (i + 1) * (BK // 16), mask=more, other=0.0)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        nxt = i + STAGES - 1
+        if nxt < n_k:
+            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
+                                            a_s.index(nxt % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    out = acc * gl.load(g_ptr + cn)[:, None]
+    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+
+
+def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor, bm: int = 256,
+             bn: int = 64, bk: int = 64, warps: int = 4, stages: int = 3):
+    """a [M, K] bf16, packed uint8 [N, K/2], scales fp32 [N, K/16] (block scale * 2^63), gscale fp32 [N]
+    (global scale * 2^63) ->
+    ([M, N] bf16, the compiled kernel)."""
+    m, k = a.shape
+    n = packed.shape[0]
+    if m % bm or n % bn or k % bk:
+        raise ValueError(f"gluon_fp4_probe: M, N, K = {m}, {n}, {k} must be multiples of {bm}, {bn}, {bk}")
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+    kernel = rega_fp4_gemm_kernel[(m // bm, n // bn)](desc, packed, scales, gscale, c, m, n, k, BM=bm, BN=bn, BK=bk,
+                                                      STAGES=stages, WARPS=warps, num_warps=warps)
+    return c, kernel
+
+
+@gluon.jit
+def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
+                         BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr):
+    """`rega_fp4_gemm_kernel` with nibble's e4m3-converter decode (fp4_tiles DEC 3, inline PTX: one word of 8
+    codes -> 4 fp16 pairs) and fp16 MMAs: q int16 [N, K/4] (units of 4 codes), s uint8 e4m3 [N, K/16], g fp32
+    [N] (global scale times 2^6 * 2^F16_X_SHIFT); a fp16 [M, K] staged by `stage_slices`, each BK chunk as 4
+    slices of BK/4 (slice t holds the K positions 4u + t), so decode output t is the A operand of slice t's
+    wgmma: four async wgmma per step."""
+    U: gl.constexpr = BK // 4
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
+    w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    off_m = gl.program_id(0) * BM
+    off_n = gl.program_id(1) * BN
+    n_k = K // BK
+    for j in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(j), BM * BK * 2)
+        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+    ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
+    q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 4) + ru[None, :]
+    s_rows = s_ptr + rn.to(gl.int64)[:, None] * (K // 16) + (ru // 4)[None, :]
+    q = gl.load(q_rows)
+    s = gl.load(s_rows)
+    acc = gl.zeros([BN, BM], gl.float32, acc_l)
+    for i in range(n_k):
+        st = i % STAGES
+        sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        w0, w1, w2, w3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [q, sc],
+                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                                   is_pure=True, pack=2)
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        a_t = a_s.index(st)
+        acc = warpgroup_mma(w0, a_t.slice(0, U, 1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(w1, a_t.slice(U, U, 1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(w2, a_t.slice(2 * U, U, 1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(w3, a_t.slice(3 * U, U, 1).permute((1, 0)), acc, is_async=True)
+        more = (ru < (K - (i + 1) * BK) // 4)[None, :]
+        q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
+        s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
+        # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
+        acc = warpgroup_mma_wait(4, deps=[acc])
+        nxt = i + STAGES - 1
+        if nxt < n_k:
+            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
+            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
+                                            a_s.index(nxt % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    out = acc * gl.load(g_ptr + cn)[:, None]
+    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+
+
+def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
+    """a [M, K] -> fp16 [M, K] times 2^-F16_X_SHIFT, each BK chunk reordered into 4 slices: slice t, column u
+    = a's column 4u + t of the chunk (the order of `rega_cvt_gemm_kernel`'s decode outputs)."""
+    m, k = a.shape
+    staged = a.view(m, k // bk, bk // 4, 4).transpose(2, 3).reshape(m, k)
+    return (staged.float() * 2.0 ** -F16_X_SHIFT).to(torch.float16).contiguous()
+
+
+def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, bm: int = 256, bn: int = 64,
+             bk: int = 64, warps: int = 4, stages: int = 3):
+    """a16 from `stage_slices(a, bk)`, q int16 [N, K/4], s uint8 [N, K/16], g fp32 [N] (global scale * 2^6 *
+    2^F16_X_SHIFT) -> ([M, N] bf16, the compiled kernel)."""
+    m, k = a16.shape
+    n = q.shape[0]
+    if m % bm or n % bn or k % bk or bk % 64:
+        raise ValueError(f"gluon_fp4_probe: M, N, K = {m}, {n}, {k} must be multiples of {bm}, {bn}, {bk} (BK of 64)")
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=a16.device)
+    desc = TensorDescriptor.from_tensor(a16, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16))
+    kernel = rega_cvt_gemm_kernel[(m // bm, n // bn)](desc, q, s, g, c, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                                                      WARPS=warps, DECODE=DECODE_F16_CVT.value, num_warps=warps)
+    return c, kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gluon_fp4_probe: needs a CUDA GPU")
+    from nibble.bench.gpu_timing import cold_ms
+    from nibble.formats.nvfp4 import quantize_to_compute_form
+    from nibble.kernels.nvfp4_linear import nvfp4_linear_launch
+
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    a = torch.randn(args.m, args.k, device=dev, dtype=torch.bfloat16, generator=g)
+    w = quantize_to_compute_form(torch.randn(args.n, args.k, device=dev, generator=g) * args.k ** -0.5)
+    scales = w.block_scale.float() * SCALE_BIAS
+    gscale = w.global_scale * SCALE_BIAS
+    w_bf16 = w.dequantize(torch.bfloat16)
+    ref = a.float() @ w.dequantize().T
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flops = 2 * args.m * args.n * args.k
+
+    def report(name: str, fn, kernel=None) -> None:
+        out = fn()[0] if kernel is not None else fn()
+        torch.cuda.synchronize()
+        err = float((out.float() - ref).norm() / ref.norm())
+        ms = cold_ms(fn, 20, flush)
+        verdict = f"  wgmma {serialised(kernel)}" if kernel is not None else ""
+        print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}{verdict}", flush=True)
+
+    tiles = [(f"NVFP4 weights from registers {bn}x{bm}x{bk} w{wp} s{st}",
+              dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st))
+             for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
+                                        (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (64, 256, 32, 4, 4))]
+    for name, kw in [t for t in tiles if re.search(args.only, t[0])]:
+        try:
+            _, kernel = fp4_gemm(a, w.packed, scales, gscale, **kw)
+            report(name, partial(fp4_gemm, a, w.packed, scales, gscale, **kw), kernel)
+        except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
+            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+    q16, s8 = w.packed.view(torch.int16), w.block_scale.view(torch.uint8)
+    g_cvt = w.global_scale * CVT_ACC_SCALE
+    cvt_tiles = [(f"NVFP4 weights from registers, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
+                  dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st))
+                 for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
+                                            (64, 256, 128, 4, 2), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3))]
+    for name, kw in [t for t in cvt_tiles if re.search(args.only, t[0])]:
+        try:
+            a16 = stage_slices(a, kw["bk"])
+            _, kernel = cvt_gemm(a16, q16, s8, g_cvt, **kw)
+            report(name, partial(cvt_gemm, a16, q16, s8, g_cvt, **kw), kernel)
+        except Exception as ex:
+            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+    report("Triton nvfp4_linear (the table's tile)", lambda: nvfp4_linear_launch(a, w))
+    report("cuBLAS bf16 (weights prestored)", lambda: torch.matmul(a, w_bf16.T))
+
+
+if __name__ == "__main__":
+    main()
