@@ -304,7 +304,7 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
     dbk, d_stages = tile_for_dec(dec, cfg[f"{prefix}dn_block_k"], cfg[f"{prefix}dn_stages"])
     # down's K is the expert's intermediate size, I / tp on a tensor-parallel rank (128 for the 397B at tp 8):
     # a K block past it only loads masked columns, and a single K step leaves the pipeline nothing to overlap,
-    # so the block is at most half of I (20-50% faster at tp 8, 4-14% at tp 4, H100; full layers unchanged)
+    # so the block is at most half of I (20-50% faster at tp 8, 4-9% at tp 4, H100; full layers unchanged)
     dbk = min(dbk, max(64, triton.next_power_of_2(inter) // 2))
     return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
             "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
