@@ -47,8 +47,8 @@ CVT_ACC_SCALE = 2.0 ** (6 + F16_X_SHIFT)  # the converter decode's 2^-6 and the 
 def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """c[M, N] = a[M, K] @ W^T for W [N, K] in NVFP4: q uint8 [N, K/2], sc fp32 [N, K/16] (block scale times
-    2^63), g fp32 [N] (global scale times 2^63); each program computes the tile c^T[BN, BM]; M, N, K multiples of the
-    blocks. The next step's weights load while this step's wgmma runs."""
+    2^63), g fp32 [N] (global scale times 2^63); each program computes the tile c^T[BN, BM]; M, N, K
+    multiples of the blocks. The next step's weights load while this step's wgmma runs."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
@@ -95,8 +95,7 @@ def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.co
 def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor, bm: int = 256,
              bn: int = 64, bk: int = 64, warps: int = 4, stages: int = 3):
     """a [M, K] bf16, packed uint8 [N, K/2], scales fp32 [N, K/16] (block scale * 2^63), gscale fp32 [N]
-    (global scale * 2^63) ->
-    ([M, N] bf16, the compiled kernel)."""
+    (global scale * 2^63) -> ([M, N] bf16, the compiled kernel)."""
     m, k = a.shape
     n = packed.shape[0]
     if m % bm or n % bn or k % bk:
