@@ -108,13 +108,14 @@ def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale
 
 
 @gluon.jit
-def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
+def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr):
     """`rega_fp4_gemm_kernel` with nibble's e4m3-converter decode (fp4_tiles DEC 3, inline PTX: one word of 8
     codes -> 4 fp16 pairs) and fp16 MMAs: q int16 [N, K/4] (units of 4 codes), s uint8 e4m3 [N, K/16], g fp32
     [N] (global scale times 2^6 * 2^F16_X_SHIFT); a fp16 [M, K] staged by `stage_slices`, each BK chunk as 4
     slices of BK/4 (slice t holds the K positions 4u + t), so decode output t is the A operand of slice t's
-    wgmma: four async wgmma per step."""
+    wgmma: four async wgmma per step. Grouped like an MoE layer's experts after sorting: program_id(2) is the
+    expert, whose M_PER rows of a and c follow the previous expert's, and q, s, g hold [E, N, ...]."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -122,13 +123,14 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M, N, K, BM: gl.con
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
         mbarrier.init(bars.index(j), count=1)
-    off_m = gl.program_id(0) * BM
+    ex = gl.program_id(2)
+    off_m = ex * M_PER + gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
     for j in gl.static_range(STAGES - 1):
         mbarrier.expect(bars.index(j), BM * BK * 2)
         tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
-    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+    rn = ex.to(gl.int64) * N + off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
     q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 4) + ru[None, :]
     s_rows = s_ptr + rn.to(gl.int64)[:, None] * (K // 16) + (ru // 4)[None, :]
@@ -160,7 +162,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M, N, K, BM: gl.con
     acc = warpgroup_mma_wait(0, deps=[acc])
     cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    out = acc * gl.load(g_ptr + cn)[:, None]
+    out = acc * gl.load(g_ptr + ex.to(gl.int64) * N + cn)[:, None]
     gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
 
 
@@ -174,17 +176,50 @@ def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
 
 def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, bm: int = 256, bn: int = 64,
              bk: int = 64, warps: int = 4, stages: int = 3):
-    """a16 from `stage_slices(a, bk)`, q int16 [N, K/4], s uint8 [N, K/16], g fp32 [N] (global scale * 2^6 *
-    2^F16_X_SHIFT) -> ([M, N] bf16, the compiled kernel)."""
+    """a16 from `stage_slices(a, bk)` [E * M_PER, K], q int16 [E, N, K/4], s uint8 [E, N, K/16], g fp32 [E, N]
+    (global scale * 2^6 * 2^F16_X_SHIFT; E = 1 for a dense layer) -> ([E * M_PER, N] bf16, the compiled
+    kernel)."""
     m, k = a16.shape
-    n = q.shape[0]
-    if m % bm or n % bn or k % bk or bk % 64:
-        raise ValueError(f"gluon_fp4_probe: M, N, K = {m}, {n}, {k} must be multiples of {bm}, {bn}, {bk} (BK of 64)")
+    e, n = q.shape[0], q.shape[1]
+    m_per = m // e
+    if m % e or m_per % bm or n % bn or k % bk or bk % 64:
+        raise ValueError(f"gluon_fp4_probe: M / E, N, K = {m_per}, {n}, {k} must be multiples of {bm}, {bn}, {bk} "
+                         f"(BK of 64)")
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a16.device)
     desc = TensorDescriptor.from_tensor(a16, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16))
-    kernel = rega_cvt_gemm_kernel[(m // bm, n // bn)](desc, q, s, g, c, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages,
-                                                      WARPS=warps, DECODE=DECODE_F16_CVT.value, num_warps=warps)
+    kernel = rega_cvt_gemm_kernel[(m_per // bm, n // bn, e)](desc, q, s, g, c, m_per, n, k, BM=bm, BN=bn, BK=bk,
+                                                             STAGES=stages, WARPS=warps, DECODE=DECODE_F16_CVT.value,
+                                                             num_warps=warps)
     return c, kernel
+
+
+def grouped(args: argparse.Namespace) -> None:
+    """The converter-decode kernel on E experts' weights [E, N, K], --m rows of activations each (balanced
+    routing after sorting: 122B-A10B gate_up at 4096 tokens is E 256, M 128, N 2048, K 3072)."""
+    from nibble.bench.gpu_timing import cold_ms
+    from nibble.formats.nvfp4 import quantize_to_compute_form
+
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    e, m, n, k = args.experts, args.m, args.n, args.k
+    a = torch.randn(e * m, k, device=dev, dtype=torch.bfloat16, generator=g)
+    w = quantize_to_compute_form(torch.randn(e, n, k, device=dev, generator=g) * k ** -0.5)
+    ref = torch.bmm(a.float().view(e, m, k), w.dequantize().transpose(1, 2)).reshape(e * m, n)
+    q16, s8, g_cvt = w.packed.view(torch.int16), w.block_scale.view(torch.uint8), w.global_scale * CVT_ACC_SCALE
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flops = 2 * e * m * n * k
+    for bn, bm, bk, wp, st in ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3)):
+        name = f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st}"
+        try:
+            a16 = stage_slices(a, bk)
+            out, kernel = cvt_gemm(a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, warps=wp, stages=st)
+            torch.cuda.synchronize()
+            err = float((out.float() - ref).norm() / ref.norm())
+            ms = cold_ms(partial(cvt_gemm, a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, warps=wp, stages=st), 20, flush)
+            print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}  wgmma "
+                  f"{serialised(kernel)}", flush=True)
+        except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
+            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
 
 
 def main() -> None:
@@ -193,9 +228,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="instead: E grouped GEMMs of --m rows each, like an MoE layer's gate_up after sorting")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gluon_fp4_probe: needs a CUDA GPU")
+    if args.experts:
+        return grouped(args)
     from nibble.bench.gpu_timing import cold_ms
     from nibble.formats.nvfp4 import quantize_to_compute_form
     from nibble.kernels.nvfp4_linear import nvfp4_linear_launch
@@ -229,8 +268,8 @@ def main() -> None:
             report(name, partial(fp4_gemm, a, w.packed, scales, gscale, **kw), kernel)
         except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
             print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
-    q16, s8 = w.packed.view(torch.int16), w.block_scale.view(torch.uint8)
-    g_cvt = w.global_scale * CVT_ACC_SCALE
+    q16, s8 = w.packed.view(torch.int16)[None], w.block_scale.view(torch.uint8)[None]
+    g_cvt = (w.global_scale * CVT_ACC_SCALE)[None]
     cvt_tiles = [(f"NVFP4 weights from registers, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
                   dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st))
                  for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
