@@ -20,7 +20,9 @@ def select_engine_kernels(config: EngineConfig, model_config: ModelConfig) -> tu
     """
     kernels, report = select_kernels(model_config, config.torch_device, config.torch_dtype,
                                      config.kv_torch_dtype, forced=config.forced_backends,
-                                     self_test=config.self_test, block_size=config.block_size)
+                                     self_test=config.self_test, block_size=config.block_size,
+                                     tp_size=config.tensor_parallel_size,
+                                     expert_parallel=config.enable_expert_parallel)
     logger.info("kernels: %s (self-tests %.1f s)",
                 ", ".join(f"{op}={name}" for op, name in report.selected.items()), report.total_seconds)
     return kernels, report

@@ -230,11 +230,12 @@ def _run_test(op: str, fn: Callable[..., Any], ctx: SelfTestContext) -> tuple[fl
 def select_kernels(model_config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                    kv_cache_dtype: torch.dtype | None = None, forced: Mapping[str, str] | None = None,
                    self_test: bool = True, *, block_size: int = 16, allow_interpreter: bool = False,
-                   backends: Mapping[str, tuple[Backend, ...]] | None = None, seed: int | None = None
-                   ) -> tuple[KernelSet, SelectionReport]:
+                   backends: Mapping[str, tuple[Backend, ...]] | None = None, seed: int | None = None,
+                   tp_size: int = 1, expert_parallel: bool = False) -> tuple[KernelSet, SelectionReport]:
     """Pick one backend per op for this model, device and dtypes; see the module docstring.
 
     forced: op or group name -> backend name. block_size: the KV cache page size to test with.
+    tp_size, expert_parallel: the MoE self-test runs one rank's share of the routed experts.
     allow_interpreter: let Triton backends run under TRITON_INTERPRET on the CPU (tests).
     backends: replaces `default_backends()` (tests). seed: for reproducible self-test inputs (default:
     fresh random inputs every start).
@@ -248,7 +249,7 @@ def select_kernels(model_config: ModelConfig, device: torch.device | str, dtype:
     force = _expand_forced(forced, table)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 62)))
-    ctx = SelfTestContext(model_config, device, dtype, kv_cache_dtype, block_size, gen)
+    ctx = SelfTestContext(model_config, device, dtype, kv_cache_dtype, block_size, gen, tp_size, expert_parallel)
     report = SelectionReport(str(device), str(dtype).removeprefix("torch."),
                              str(kv_cache_dtype).removeprefix("torch."))
     chosen: dict[str, Callable[..., Any]] = {}

@@ -261,18 +261,24 @@ def _random_nvfp4(ctx: SelfTestContext, e: int, n: int, k: int) -> NVFP4Tensor:
 
 
 def moe_test_experts(ctx: SelfTestContext) -> int:
-    """Experts to allocate for the MoE self-test: the real count if their weights stay under
+    """Experts to allocate for the MoE self-test: the count a rank holds if their weights stay under
     MOE_TEST_BYTES, else fewer (the per-expert shapes stay real)."""
     c = ctx.config
-    elems = 3 * c.moe_intermediate_size * c.hidden_size
+    held, inter = ctx.moe_share
+    elems = 3 * inter * c.hidden_size
     per_expert = elems * 9 // 16 if ctx.config.quantized else elems * ctx.dtype.itemsize
-    return max(2 * c.num_experts_per_tok, min(c.num_experts, MOE_TEST_BYTES // max(1, per_expert)))
+    return max(2 * c.num_experts_per_tok, min(held, MOE_TEST_BYTES // max(1, per_expert)))
 
 
 def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
+    """The routed experts on this rank's share (`SelfTestContext.moe_share`), so that a tensor-parallel rank
+    runs the tiles its I / tp picks; under expert parallelism the slots routed to other ranks' experts come
+    as id -1, in the share a rank sees."""
     c = ctx.config
-    h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
-    e = min(c.num_experts, moe_test_experts(ctx))
+    h, k = c.hidden_size, c.num_experts_per_tok
+    held, inter = ctx.moe_share
+    e = min(held, moe_test_experts(ctx))
+    routed = e * (c.num_experts // held)
     quantized = c.quant is not None and c.quant.is_quantized("model.layers.0.mlp.experts")
     # tiles are chosen by the pairs per expert over the model's experts, so each size runs the model's tile
     # (the fewer experts allocated here just get more pairs each)
@@ -286,7 +292,8 @@ def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
     # the last sizes reach the larger sorted blocks and the prefill tile (GPU only: the interpreter is too slow)
     for t in (1, 3, 40, 300) + ((700, 1500) if ctx.device.type == "cuda" else ()):
         x = ctx.randn(t, h)
-        w, ids = route_ref(ctx.randn(t, e, dtype=torch.float32), k, True)
+        w, ids = route_ref(ctx.randn(t, routed, dtype=torch.float32), k, True)
+        ids = torch.where(ids < e, ids, -1).to(ids.dtype)
         out = _call(fn, ctx.device, [((t, h), ctx.dtype)], x, w, ids, experts)
         worst = max(worst, rel_err(f"T={t}", out, fused_moe_ref(x, w, ids, experts), ctx.tol))
     return worst

@@ -26,12 +26,30 @@ class SelfTestFailure(RuntimeError):
 
 @dataclass
 class SelfTestContext:
+    """What the self-tests run on: the model, device, dtypes, KV page size, the random source, and this
+    process's share of the routed experts under tensor parallelism (tp_size ranks: I / tp_size features of
+    every expert, or with expert_parallel whole experts, num_experts / tp_size of them)."""
+
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     block_size: int
     generator: torch.Generator
+    tp_size: int = 1
+    expert_parallel: bool = False
+
+    @property
+    def moe_share(self) -> tuple[int, int]:
+        """(experts held, intermediate size of each) on one rank; the whole layer where the split would not
+        divide it (or leave I off the 16-feature NVFP4 groups): the loader refuses those with the reason."""
+        c = self.config
+        e, inter, n = c.num_experts, c.moe_intermediate_size, self.tp_size
+        if self.expert_parallel and n > 1 and e % n == 0:
+            return e // n, inter
+        if not self.expert_parallel and n > 1 and inter % (16 * n) == 0:
+            return e, inter // n
+        return e, inter
 
     @property
     def tol(self) -> float:

@@ -113,6 +113,28 @@ def test_report_renders(config: ModelConfig) -> None:
     assert ok["status"] == "ok" and ok["rel_error"] is not None and ok["seconds"] > 0
 
 
+def test_moe_self_test_runs_one_ranks_share(config: ModelConfig) -> None:
+    """Under tensor parallelism a rank's experts hold I / tp features (its tiles are chosen by that I), under
+    expert parallelism num_experts / tp whole experts, with the slots of other ranks' experts as id -1: the
+    start-up self-test runs that share, not the whole layer."""
+    from nibble.kernels.moe import fused_moe_ref
+
+    seen: list[tuple[int, int, bool]] = []
+
+    def spy(x, w, ids, experts):
+        seen.append((experts.num_experts, experts.intermediate_size, bool((ids < 0).any())))
+        return fused_moe_ref(x, w, ids, experts)
+
+    table = _table(fused_moe=(Backend("spy", spy, always),))
+    for tp, ep, want in ((1, False, (8, 32)), (2, False, (8, 16)), (2, True, (4, 32)), (4, True, (2, 32))):
+        seen.clear()
+        _, report = select_kernels(config, "cpu", torch.float32, backends=table, allow_interpreter=True,
+                                   tp_size=tp, expert_parallel=ep)
+        assert report.selected["fused_moe"] == "spy" and seen
+        assert {(e, i) for e, i, _ in seen} == {want}
+        assert any(neg for *_, neg in seen) == ep
+
+
 def test_every_op_selects_triton_under_the_interpreter() -> None:
     """The real self-tests (selftest.py) on a tiny NVFP4 config: each Triton backend passes."""
     from nibble.models.quant_config import QuantConfig
