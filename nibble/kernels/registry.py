@@ -235,7 +235,7 @@ def select_kernels(model_config: ModelConfig, device: torch.device | str, dtype:
     """Pick one backend per op for this model, device and dtypes; see the module docstring.
 
     forced: op or group name -> backend name. block_size: the KV cache page size to test with.
-    tp_size, expert_parallel: the MoE self-test runs one rank's share of the routed experts.
+    tp_size, expert_parallel: the linear and MoE self-tests run one tensor-parallel rank's shapes.
     allow_interpreter: let Triton backends run under TRITON_INTERPRET on the CPU (tests).
     backends: replaces `default_backends()` (tests). seed: for reproducible self-test inputs (default:
     fresh random inputs every start).

@@ -300,8 +300,10 @@ def test_fused_moe(fn: Callable, ctx: SelfTestContext) -> float:
 
 
 def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
+    """The shared expert's gate_up shape (N / tp rows on a tensor-parallel rank)."""
     c = ctx.config
-    h, n = c.hidden_size, 2 * c.shared_expert_intermediate_size
+    si = c.shared_expert_intermediate_size
+    h, n = c.hidden_size, 2 * (si // ctx.tp_size if si % (16 * ctx.tp_size) == 0 else si)
     w = _random_nvfp4(ctx, 1, n, h)
     w = NVFP4Tensor(w.packed[0], w.block_scale[0], w.global_scale[0])
     worst = 0.0
@@ -312,21 +314,30 @@ def test_nvfp4_linear(fn: Callable, ctx: SelfTestContext) -> float:
     return worst
 
 
-def dense_linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
-    """(N, K) of the model's 16-bit projections at decode: GDN in_proj and out_proj, attention qkv and
-    o_proj, the fused router + shared-expert input projection (rows padded to 8) and the shared expert's
-    down projection."""
-    moe_in = c.num_experts + 2 * c.shared_expert_intermediate_size + 1
-    shapes = [(2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads, c.hidden_size),
-              (c.hidden_size, c.linear_value_dim), (c.q_proj_size + 2 * c.kv_proj_size, c.hidden_size),
-              (c.hidden_size, c.num_attention_heads * c.head_dim), (-(-moe_in // 8) * 8, c.hidden_size),
-              (c.hidden_size, c.shared_expert_intermediate_size)]
+def dense_linear_shapes(c: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
+    """(N, K) of the model's 16-bit projections at decode: GDN in_proj and out_proj, attention qkv and o_proj, the
+    fused router + shared-expert input projection and the shared expert's down projection (the fused ones' rows
+    padded to 8, as the layers hold them); with tp > 1 on one tensor-parallel rank, as the layers split them
+    (column-parallel projections N / tp rows, row-parallel ones K / tp columns, the router whole, one KV head where
+    there are fewer than ranks); the whole model's where tp does not divide its heads (the loader refuses that)."""
+    heads = (c.linear_num_key_heads, c.linear_num_value_heads, c.num_attention_heads,
+             c.shared_expert_intermediate_size)
+    if any(n % tp for n in heads) or (c.num_key_value_heads % tp and tp % c.num_key_value_heads):
+        tp = 1
+    kv = c.kv_proj_size // tp if c.num_key_value_heads % tp == 0 else c.head_dim
+    si = c.shared_expert_intermediate_size // tp
+    gdn_in = (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads) // tp
+    # the fused column-parallel projections (`FusedProjections`) pad their rows to a multiple of 8
+    fused = [-(-n // 8) * 8 for n in (gdn_in, c.q_proj_size // tp + 2 * kv, c.num_experts + 2 * si + 1)]
+    shapes = [(fused[0], c.hidden_size), (c.hidden_size, c.linear_value_dim // tp), (fused[1], c.hidden_size),
+              (c.hidden_size, c.num_attention_heads * c.head_dim // tp), (fused[2], c.hidden_size),
+              (c.hidden_size, si)]
     return sorted(set(shapes))
 
 
 def test_dense_linear(fn: Callable, ctx: SelfTestContext) -> float:
     worst = 0.0
-    for n, k in dense_linear_shapes(ctx.config):
+    for n, k in dense_linear_shapes(ctx.config, ctx.tp_size):
         w = ctx.randn(n, k, scale=k ** -0.5)
         for t in (1, 3, 8):
             x = ctx.randn(t, k)

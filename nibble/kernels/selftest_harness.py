@@ -27,8 +27,9 @@ class SelfTestFailure(RuntimeError):
 @dataclass
 class SelfTestContext:
     """What the self-tests run on: the model, device, dtypes, KV page size, the random source, and this
-    process's share of the routed experts under tensor parallelism (tp_size ranks: I / tp_size features of
-    every expert, or with expert_parallel whole experts, num_experts / tp_size of them)."""
+    process's place under tensor parallelism (tp_size ranks), whose projections the linear self-tests take
+    (`selftest.dense_linear_shapes`) and whose share of the routed experts the MoE one takes (I / tp_size
+    features of every expert, or with expert_parallel whole experts, num_experts / tp_size of them)."""
 
     config: ModelConfig
     device: torch.device

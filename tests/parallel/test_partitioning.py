@@ -70,6 +70,21 @@ def test_each_rank_reads_only_its_share(name: str, expert_parallel: bool, checkp
         assert read0 and all(int(n.split(".experts.")[1].split(".")[0]) < 2 for n in read0)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_dense_linear_self_test_takes_a_ranks_shapes(tp: int, checkpoints: dict[str, Path]) -> None:
+    """The dense-linear start-up self-test runs the (N, K) of the 16-bit projections one tensor-parallel rank
+    holds: exactly the weights of the loaded rank's Linear layers (rows as padded for cuBLAS)."""
+    from nibble.kernels.selftest import dense_linear_shapes
+    from nibble.layers.linear import Linear
+
+    model_dir = checkpoints["fp32"]
+    config = ModelConfig.from_pretrained(model_dir)
+    model = load_model(model_dir, config, KernelSet.reference(), dtype=torch.float32, device="cpu",
+                       parallel=ParallelContext(0, tp))
+    held = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and not m.quantized}
+    assert set(dense_linear_shapes(config, tp)) == held
+
+
 def _all_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor, Path]]:
     from nibble.checkpoint.safetensors_io import iter_tensors, list_shards
 
