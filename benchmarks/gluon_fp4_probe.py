@@ -29,8 +29,11 @@ from gluon_probe import (
     gl,
     gluon,
     mbarrier,
-    serialised,
-    tma,
+    report,
+    report_tile,
+    store_transposed,
+    tma_ring_refill,
+    tma_ring_start,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -53,14 +56,10 @@ def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.co
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
     off_m = gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
-    for j in gl.static_range(STAGES - 1):
-        mbarrier.expect(bars.index(j), BM * BK * 2)
-        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES)
     rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, w_l))
     q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 2) + (rk // 2)[None, :]
@@ -80,16 +79,9 @@ def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.co
         q = gl.load(q_rows + (i + 1) * (BK // 2), mask=more, other=0)
         sc = gl.load(s_rows + (i + 1) * (BK // 16), mask=more, other=0.0)
         acc = warpgroup_mma_wait(1, deps=[acc])
-        nxt = i + STAGES - 1
-        if nxt < n_k:
-            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
-            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
-                                            a_s.index(nxt % STAGES))
+        tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
-    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    out = acc * gl.load(g_ptr + cn)[:, None]
-    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+    store_transposed(acc, g_ptr, c_ptr, off_m, off_n, N, BM, BN, acc_l)
 
 
 def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor, bm: int = 256,
@@ -121,15 +113,11 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
     ex = gl.program_id(2)
     off_m = ex * M_PER + gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
-    for j in gl.static_range(STAGES - 1):
-        mbarrier.expect(bars.index(j), BM * BK * 2)
-        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES)
     rn = ex.to(gl.int64) * N + off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
     q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 4) + ru[None, :]
@@ -154,16 +142,9 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
         # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
         acc = warpgroup_mma_wait(4, deps=[acc])
-        nxt = i + STAGES - 1
-        if nxt < n_k:
-            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
-            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
-                                            a_s.index(nxt % STAGES))
+        tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
-    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    out = acc * gl.load(g_ptr + ex.to(gl.int64) * N + cn)[:, None]
-    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+    store_transposed(acc, g_ptr + ex.to(gl.int64) * N, c_ptr, off_m, off_n, N, BM, BN, acc_l)
 
 
 def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
@@ -196,7 +177,6 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
 def grouped(args: argparse.Namespace) -> None:
     """The converter-decode kernel on E experts' weights [E, N, K], --m rows of activations each (balanced
     routing after sorting: 122B-A10B gate_up at 4096 tokens is E 256, M 128, N 2048, K 3072)."""
-    from nibble.bench.gpu_timing import cold_ms
     from nibble.formats.nvfp4 import quantize_to_compute_form
 
     dev = torch.device("cuda")
@@ -209,17 +189,9 @@ def grouped(args: argparse.Namespace) -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     flops = 2 * e * m * n * k
     for bn, bm, bk, wp, st in ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3)):
-        name = f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st}"
-        try:
-            a16 = stage_slices(a, bk)
-            out, kernel = cvt_gemm(a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, warps=wp, stages=st)
-            torch.cuda.synchronize()
-            err = float((out.float() - ref).norm() / ref.norm())
-            ms = cold_ms(partial(cvt_gemm, a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, warps=wp, stages=st), 20, flush)
-            print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}  wgmma "
-                  f"{serialised(kernel)}", flush=True)
-        except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
-            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+        kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st)
+        report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
+                    lambda kw=kw: partial(cvt_gemm, stage_slices(a, kw["bk"]), q16, s8, g_cvt, **kw), ref, flops, flush)
 
 
 def main() -> None:
@@ -235,7 +207,6 @@ def main() -> None:
         sys.exit("gluon_fp4_probe: needs a CUDA GPU")
     if args.experts:
         return grouped(args)
-    from nibble.bench.gpu_timing import cold_ms
     from nibble.formats.nvfp4 import quantize_to_compute_form
     from nibble.kernels.nvfp4_linear import nvfp4_linear_launch
 
@@ -250,24 +221,12 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     flops = 2 * args.m * args.n * args.k
 
-    def report(name: str, fn, kernel=None) -> None:
-        out = fn()[0] if kernel is not None else fn()
-        torch.cuda.synchronize()
-        err = float((out.float() - ref).norm() / ref.norm())
-        ms = cold_ms(fn, 20, flush)
-        verdict = f"  wgmma {serialised(kernel)}" if kernel is not None else ""
-        print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}{verdict}", flush=True)
-
     tiles = [(f"NVFP4 weights from registers {bn}x{bm}x{bk} w{wp} s{st}",
               dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st))
              for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
                                         (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (64, 256, 32, 4, 4))]
     for name, kw in [t for t in tiles if re.search(args.only, t[0])]:
-        try:
-            _, kernel = fp4_gemm(a, w.packed, scales, gscale, **kw)
-            report(name, partial(fp4_gemm, a, w.packed, scales, gscale, **kw), kernel)
-        except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
-            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+        report_tile(name, lambda kw=kw: partial(fp4_gemm, a, w.packed, scales, gscale, **kw), ref, flops, flush)
     q16, s8 = w.packed.view(torch.int16)[None], w.block_scale.view(torch.uint8)[None]
     g_cvt = (w.global_scale * CVT_ACC_SCALE)[None]
     cvt_tiles = [(f"NVFP4 weights from registers, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
@@ -275,14 +234,10 @@ def main() -> None:
                  for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
                                             (64, 256, 128, 4, 2), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3))]
     for name, kw in [t for t in cvt_tiles if re.search(args.only, t[0])]:
-        try:
-            a16 = stage_slices(a, kw["bk"])
-            _, kernel = cvt_gemm(a16, q16, s8, g_cvt, **kw)
-            report(name, partial(cvt_gemm, a16, q16, s8, g_cvt, **kw), kernel)
-        except Exception as ex:
-            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
-    report("Triton nvfp4_linear (the table's tile)", lambda: nvfp4_linear_launch(a, w))
-    report("cuBLAS bf16 (weights prestored)", lambda: torch.matmul(a, w_bf16.T))
+        report_tile(name, lambda kw=kw: partial(cvt_gemm, stage_slices(a, kw["bk"]), q16, s8, g_cvt, **kw), ref, flops,
+                    flush)
+    report("Triton nvfp4_linear (the table's tile)", lambda: nvfp4_linear_launch(a, w), ref, flops, flush)
+    report("cuBLAS bf16 (weights prestored)", lambda: torch.matmul(a, w_bf16.T), ref, flops, flush)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,36 @@ def ws_dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
 
 
 @gluon.jit
+def tma_ring_start(a_desc, a_s, bars, off_m, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """Arm the STAGES mbarriers of the activation ring a_s [STAGES, BM, BK] (16-bit) and ask TMA for the
+    tiles of the first STAGES - 1 K steps of rows off_m.."""
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    for j in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(j), BM * BK * 2)
+        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+
+
+@gluon.jit
+def tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """After step i's wait for the wgmma of step i - 1: its stage takes the tile of step i + STAGES - 1."""
+    nxt = i + STAGES - 1
+    if nxt < n_k:
+        mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
+        tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES), a_s.index(nxt % STAGES))
+
+
+@gluon.jit
+def store_transposed(acc, row_scale_ptr, c_ptr, off_m, off_n, N, BM: gl.constexpr, BN: gl.constexpr,
+                     acc_l: gl.constexpr):
+    """c[off_m + m, off_n + n] = acc[n, m] * row_scale[off_n + n] in bf16, for the weight-rows-by-tokens tiles."""
+    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    out = acc * gl.load(row_scale_ptr + cn)[:, None]
+    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+
+
+@gluon.jit
 def rega_gemm_kernel(a_desc, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The same product turned around, c^T[BN, BM] = (w * s) @ a^T per tile: the converted weights are the wgmma's
@@ -206,14 +236,10 @@ def rega_gemm_kernel(a_desc, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
     off_m = gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
-    for j in gl.static_range(STAGES - 1):
-        mbarrier.expect(bars.index(j), BM * BK * 2)
-        tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES)
     rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, w_l))
     w_rows = w_ptr + rn.to(gl.int64)[:, None] * K + rk[None, :]
@@ -225,17 +251,9 @@ def rega_gemm_kernel(a_desc, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
         acc = warpgroup_mma(w.to(gl.bfloat16), a_s.index(st).permute((1, 0)), acc, is_async=True)
         w = gl.load(w_rows + (i + 1) * BK, mask=(rk < K - (i + 1) * BK)[None, :], other=0)
         acc = warpgroup_mma_wait(1, deps=[acc])
-        # step i - 1's wgmma is done: its stage takes the tile of step i + STAGES - 1
-        nxt = i + STAGES - 1
-        if nxt < n_k:
-            mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
-            tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
-                                            a_s.index(nxt % STAGES))
+        tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    cn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
-    cm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    out = acc * gl.load(s_ptr + cn)[:, None]
-    gl.store(c_ptr + cm.to(gl.int64)[None, :] * N + cn[:, None], out.to(gl.bfloat16))
+    store_transposed(acc, s_ptr, c_ptr, off_m, off_n, N, BM, BN, acc_l)
 
 
 def probe_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bm: int = 128, bn: int = 128, bk: int = 64,
@@ -271,6 +289,29 @@ def serialised(kernel) -> str:
     res = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch.group(1) if arch else 'sm_90a'}", f.name, "-o",
                           f.name + ".o"], capture_output=True, text=True)
     return "serialised" if "C7515" in res.stdout + res.stderr else "async"
+
+
+def report(name: str, run, ref: torch.Tensor, flops: int, flush: torch.Tensor) -> None:
+    """Print run()'s median cold-L2 time, TFLOP/s and relative error against ref; run returns the output, or
+    (output, compiled kernel) for a probe kernel, whose wgmma ptxas verdict is printed too."""
+    from nibble.bench.gpu_timing import cold_ms
+
+    res = run()
+    out, kernel = res if isinstance(res, tuple) else (res, None)
+    torch.cuda.synchronize()
+    err = float((out.float() - ref).norm() / ref.norm())
+    ms = cold_ms(run, 20, flush)
+    verdict = f"  wgmma {serialised(kernel)}" if kernel is not None else ""
+    print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}{verdict}", flush=True)
+
+
+def report_tile(name: str, make_run, ref: torch.Tensor, flops: int, flush: torch.Tensor) -> None:
+    """`report` of one probe tile, whose timed callable make_run() builds (set-up such as staging activations
+    stays untimed); a tile this Triton rejects is the probe's answer, printed, not a reason to stop."""
+    try:
+        report(name, make_run(), ref, flops, flush)
+    except Exception as ex:
+        print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
 
 
 def main() -> None:
@@ -311,15 +352,7 @@ def main() -> None:
                                          (64, 256, 64, 4, 2), (64, 256, 64, 4, 4), (64, 128, 64, 4, 3),
                                          (128, 256, 64, 8, 4), (64, 256, 32, 4, 4))]
     for name, kw in [t for t in tiles if re.search(args.only, t[0])]:
-        try:
-            out, kernel = probe_gemm(a, w, s, **kw)
-            torch.cuda.synchronize()
-            err = float((out.float() - ref).norm() / ref.norm())
-            ms = cold_ms(partial(probe_gemm, a, w, s, **kw), 20, flush)
-            print(f"{name}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}  wgmma "
-                  f"{serialised(kernel)}", flush=True)
-        except Exception as ex:  # a tile this Triton rejects is the probe's answer, not a reason to stop
-            print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+        report_tile(name, lambda kw=kw: partial(probe_gemm, a, w, s, **kw), ref, flops, flush)
     ms = cold_ms(lambda: torch.matmul(a, w_bf16.T), 20, flush)
     print(f"cuBLAS bf16 (weights prestored): {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s")
 
