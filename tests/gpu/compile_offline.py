@@ -128,6 +128,10 @@ def main() -> int:
     ch, h, e, k, inter = 12288, 3072, 256, 8, 1024
     cu3, sl3 = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
     cuv = torch.tensor([0, 1, 5, 9], dtype=torch.int32)
+    w4 = MoEWeights(zero_nvfp4(e, 2 * inter, h), zero_nvfp4(e, h, inter), topk_counters(h, "cpu"))
+    dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
+    # a tensor-parallel rank's share (397B at tp 8: I = 128, below the tables' down K blocks)
+    tp8 = MoEWeights(zero_nvfp4(512, 256, 4096), zero_nvfp4(512, 4096, 128), topk_counters(4096, "cpu"))
     for cc in ccs:
         target.cc = cc
         start = len(compiled)
@@ -173,35 +177,30 @@ def main() -> int:
         attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
         attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
         attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
-        w4 = MoEWeights(zero_nvfp4(e, 2 * inter, h), zero_nvfp4(e, h, inter), topk_counters(h, "cpu"))
-        dense = MoEWeights(torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf))
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
                  {"xmode": "perm", "block_t": 64}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
-        for experts, op, dtypes in ((w4, "fused_moe", (bf, torch.float16)), (dense, "fused_moe_dense", (bf,))):
+        for name, experts, ek, op, dtypes, op_modes in (
+                ("", w4, k, "fused_moe", (bf, torch.float16), modes), ("", dense, k, "fused_moe_dense", (bf,), [{}]),
+                ("397B/tp8 ", tp8, 10, "fused_moe", (bf,), [{}])):
+            eh = experts.hidden_size
             for cfg in configs(op):
-                for mode in modes if experts is w4 else [{}]:
+                for mode in op_modes:
                     # the e4m3-converter decode (DEC 3) is what sm_89+ GPUs pick; a CPU tensor here gets DEC 1/2
-                    decs = [{}, {"dec": 3}] if experts is w4 and cc >= 89 else [{}]
+                    decs = [{}, {"dec": 3}] if experts.is_nvfp4 and cc >= 89 else [{}]
                     for dt, dec in ((dt, dec) for dt in dtypes for dec in decs):
                         for path, t in (("gemv", 2), ("sorted", 40)):
-                            if path == "sorted" and cfg["path"] == "gemv" and mode.get("block_t", 0) > 16:
-                                continue  # a small-batch entry's tile in 64-slot blocks: no table selects that
-                            attempt(f"{op} {path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
-                                    torch.randn(t, h, dtype=dt), torch.rand(t, k), torch.zeros(t, k, dtype=torch.int32),
-                                    experts, path=path, config={**cfg, **mode, **dec})
-        # a tensor-parallel rank's share (397B at tp 8: I = 128, below the tables' down K blocks)
-        tp8 = MoEWeights(zero_nvfp4(512, 256, 4096), zero_nvfp4(512, 4096, 128), topk_counters(4096, "cpu"))
-        for cfg in configs("fused_moe"):
-            for dec in [{}, {"dec": 3}] if cc >= 89 else [{}]:
-                for path, t in (("gemv", 2), ("sorted", 40)):
-                    if path == "sorted" and cfg["path"] == "gemv":
-                        continue
-                    attempt(f"fused_moe 397B/tp8 {path} {cfg} {dec}", fm.fused_moe_launch,
-                            torch.randn(t, 4096, dtype=bf), torch.rand(t, 10), torch.zeros(t, 10, dtype=torch.int32),
-                            tp8, path=path, config={**cfg, **dec})
+                            if path == "sorted" and cfg["path"] == "gemv" and (mode.get("block_t", 0) > 16
+                                                                              or experts is tp8):
+                                # a small-batch entry's tile in 64-slot blocks (in sorted blocks at all for the
+                                # shard): no table selects that
+                                continue
+                            attempt(f"{op} {name}{path} {cfg} {mode} {dec} {dt}", fm.fused_moe_launch,
+                                    torch.randn(t, eh, dtype=dt), torch.rand(t, ek),
+                                    torch.zeros(t, ek, dtype=torch.int32), experts, path=path,
+                                    config={**cfg, **mode, **dec})
         w = zero_nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):
