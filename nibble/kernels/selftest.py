@@ -61,8 +61,8 @@ def test_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_qk_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q_width = c.q_proj_size
+    (hq, hk), d = ctx.attention_heads, c.head_dim
+    q_width = hq * (c.q_proj_size // c.num_attention_heads)
     qw = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
     kw = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
     worst = 0.0
@@ -80,7 +80,7 @@ def test_qk_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_gated_rms_norm(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    n, d = 5 * c.linear_num_value_heads, c.linear_value_head_dim
+    n, d = 5 * ctx.linear_heads[1], c.linear_value_head_dim
     x, g = ctx.randn(n, d), ctx.randn(n, d)
     w = 1.0 + 0.1 * ctx.randn(d, dtype=torch.float32)
     out = _call(fn, ctx.device, [((n, d), ctx.dtype)], x, g, w, c.rms_norm_eps)
@@ -93,8 +93,9 @@ def test_rope(fn: Callable, ctx: SelfTestContext) -> float:
     cache = build_cos_sin_cache(c.rotary_dim, max_pos, c.rope_theta, ctx.device, scaling=c.rope_scaling)
     pos = (ctx.rand(t) * max_pos).long().clamp_max(max_pos - 1)
     # q as the model sees it: a strided view of the fused [query | gate] projection
-    q_full = ctx.randn(t, c.num_attention_heads, 2 * c.head_dim)
-    k = ctx.randn(t, c.num_key_value_heads, c.head_dim)
+    hq, hkv = ctx.attention_heads
+    q_full = ctx.randn(t, hq, 2 * c.head_dim)
+    k = ctx.randn(t, hkv, c.head_dim)
     q_ref, k_ref = rope_ref(q_full[..., :c.head_dim], k, pos, cache)
     gate_before = q_full[..., c.head_dim:].clone()
     q_out, k_out = _call(fn, ctx.device, [], q_full[..., :c.head_dim], k.clone(), pos, cache)
@@ -114,7 +115,7 @@ def _paged_setup(ctx: SelfTestContext, ctx_lens: list[int], q_lens: list[int]):
     for s, n in enumerate(nblocks):
         table[s, :n] = perm[i:i + n]
         i += n
-    shape = (total, bs, c.num_key_value_heads, c.head_dim)
+    shape = (total, bs, ctx.attention_heads[1], c.head_dim)
     return table, shape
 
 
@@ -133,7 +134,8 @@ def test_store_kv(fn: Callable, ctx: SelfTestContext) -> float:
     slot_mapping = _slots(table, ctx.block_size, ctx_lens, q_lens)
     slot_mapping[2] = -1
     t = slot_mapping.numel()
-    k, v = ctx.randn(t, c.num_key_value_heads, c.head_dim), ctx.randn(t, c.num_key_value_heads, c.head_dim)
+    hkv = ctx.attention_heads[1]
+    k, v = ctx.randn(t, hkv, c.head_dim), ctx.randn(t, hkv, c.head_dim)
     ks, vs = (0.05, 0.03) if ctx.kv_cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     kc = ctx.randn(*shape).to(ctx.kv_cache_dtype)
     vc = ctx.randn(*shape).to(ctx.kv_cache_dtype)
@@ -156,7 +158,7 @@ def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:
         kc = (ctx.randn(*shape, dtype=torch.float32) / ks).to(ctx.kv_cache_dtype)
         vc = (ctx.randn(*shape, dtype=torch.float32) / vs).to(ctx.kv_cache_dtype)
         t = sum(q_lens)
-        q = ctx.randn(t, c.num_attention_heads, c.head_dim)
+        q = ctx.randn(t, ctx.attention_heads[0], c.head_dim)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
         lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=ctx.device)
         args = (q, kc, vc, cu, lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
@@ -171,8 +173,9 @@ def test_sigmoid_mul(fn: Callable, ctx: SelfTestContext) -> float:
     worst = 0.0
     for t in (1, 37):
         # the gate as the model sees it: the second half of each head of the fused [query | gate] projection
-        q_full = ctx.randn(t, c.num_attention_heads, 2 * c.head_dim, scale=3.0)
-        x = ctx.randn(t, c.num_attention_heads, c.head_dim)
+        hq = ctx.attention_heads[0]
+        q_full = ctx.randn(t, hq, 2 * c.head_dim, scale=3.0)
+        x = ctx.randn(t, hq, c.head_dim)
         gate = q_full[..., c.head_dim:]
         out = _call(fn, ctx.device, [(tuple(x.shape), ctx.dtype)], x, gate)
         worst = max(worst, rel_err(f"T={t}", out, sigmoid_mul_ref(x, gate), ctx.tol))

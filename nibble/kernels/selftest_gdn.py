@@ -25,7 +25,7 @@ from nibble.kernels.selftest_harness import SelfTestContext, SelfTestFailure, _c
 
 def test_causal_conv1d(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    ch, width = c.linear_conv_dim, c.linear_conv_kernel_dim
+    ch, width = ctx.linear_conv_dim, c.linear_conv_kernel_dim
     worst = 0.0
     for q_lens in ([1, 1, 1], [1, 40, 2]):
         b, t = len(q_lens), sum(q_lens)
@@ -71,11 +71,11 @@ def _spec_state_err(name: str, pool: torch.Tensor, pool_ref: torch.Tensor, befor
 
 def test_causal_conv1d_spec(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    ch, width, hv = c.linear_conv_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads
+    ch, width, hv = ctx.linear_conv_dim, c.linear_conv_kernel_dim, ctx.linear_heads[1]
     state, slots, spec = _spec_pool(ctx, width - 1, ch)
     t = spec.numel()
     # x as the model sees it: the first columns of the fused in_proj output
-    x = ctx.randn(t, ch + c.linear_value_dim + 2 * hv)[:, :ch]
+    x = ctx.randn(t, ch + hv * c.linear_value_head_dim + 2 * hv)[:, :ch]
     w = ctx.randn(ch, width, scale=0.5)
     before, state_ref = state.clone(), state.clone()
     out = _call(fn, ctx.device, [((t, ch), ctx.dtype)], x, w, state, slots, spec)
@@ -85,8 +85,8 @@ def test_causal_conv1d_spec(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_gdn_gating(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    hv = c.linear_num_value_heads
-    width = c.linear_conv_dim + c.linear_value_dim + 2 * hv
+    hv = ctx.linear_heads[1]
+    width = ctx.linear_conv_dim + hv * c.linear_value_head_dim + 2 * hv
     neg_a = -(ctx.rand(hv) * 15.0 + 1.0)
     dt_bias = ctx.randn(hv, dtype=torch.float32)
     worst = 0.0
@@ -103,7 +103,7 @@ def test_gdn_gating(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    (hk, hv), dk, dv = ctx.linear_heads, c.linear_key_head_dim, c.linear_value_head_dim
     worst = 0.0
     # on the GPU also a batch past RECURRENT_MAX_TOKENS, which the fla backend runs through fla's own kernel
     longer = ([1, 45, RECURRENT_MAX_TOKENS],) if ctx.device.type == "cuda" else ()
@@ -129,7 +129,7 @@ def test_gated_delta_rule(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_gated_delta_rule_decode(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    (hk, hv), dk, dv = ctx.linear_heads, c.linear_key_head_dim, c.linear_value_head_dim
     b = 3
     q, k, v = ctx.randn(b, hk, dk), ctx.randn(b, hk, dk), ctx.randn(b, hv, dv)
     # a and b as the model sees them: strided columns of the fused in_proj output
@@ -147,7 +147,7 @@ def test_gated_delta_rule_decode(fn: Callable, ctx: SelfTestContext) -> float:
 
 def test_gated_delta_rule_spec(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    (hk, hv), dk, dv = ctx.linear_heads, c.linear_key_head_dim, c.linear_value_head_dim
     state, slots, spec = _spec_pool(ctx, hv, dk, dv, dtype=torch.float32, scale=0.1)
     t = spec.numel()
     # q, k, v as the model sees them: head views of the conv output; a and b strided columns of in_proj's

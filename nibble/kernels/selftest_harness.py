@@ -28,8 +28,9 @@ class SelfTestFailure(RuntimeError):
 class SelfTestContext:
     """What the self-tests run on: the model, device, dtypes, KV page size, the random source, and this
     process's place under tensor parallelism (tp_size ranks), whose projections the linear self-tests take
-    (`selftest.dense_linear_shapes`) and whose share of the routed experts the MoE one takes (I / tp_size
-    features of every expert, or with expert_parallel whole experts, num_experts / tp_size of them)."""
+    (`selftest.dense_linear_shapes`), whose heads the attention, norm and GDN ones take (`attention_heads`,
+    `linear_heads`) and whose share of the routed experts the MoE one takes (I / tp_size features of every
+    expert, or with expert_parallel whole experts, num_experts / tp_size of them)."""
 
     config: ModelConfig
     device: torch.device
@@ -51,6 +52,34 @@ class SelfTestContext:
         if not self.expert_parallel and n > 1 and inter % (16 * n) == 0:
             return e, inter // n
         return e, inter
+
+    @property
+    def attention_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) of one rank's attention layer: each split tp ways, or one KV head where
+        there are fewer KV heads than ranks (`layers.attention.kv_head_partition`); the whole layer where the
+        split does not fit, which the loader refuses with the reason."""
+        c, n = self.config, self.tp_size
+        hq, hkv = c.num_attention_heads, c.num_key_value_heads
+        if n == 1 or hq % n or (hkv % n and n % hkv):
+            return hq, hkv
+        return hq // n, max(hkv // n, 1)
+
+    @property
+    def linear_heads(self) -> tuple[int, int]:
+        """(key heads, value heads) of one rank's Gated DeltaNet layer, each split tp ways; the whole layer
+        where the split does not divide them."""
+        c, n = self.config, self.tp_size
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        if n == 1 or hk % n or hv % n:
+            return hk, hv
+        return hk // n, hv // n
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of one rank's GDN conv1d: its q, k and v features."""
+        hk, hv = self.linear_heads
+        c = self.config
+        return 2 * hk * c.linear_key_head_dim + hv * c.linear_value_head_dim
 
     @property
     def tol(self) -> float:

@@ -85,6 +85,54 @@ def test_dense_linear_self_test_takes_a_ranks_shapes(tp: int, checkpoints: dict[
     assert set(dense_linear_shapes(config, tp)) == held
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_attention_and_gdn_self_tests_take_a_ranks_heads(tp: int, checkpoints: dict[str, Path]) -> None:
+    """The attention and Gated DeltaNet start-up self-tests run the head counts one tensor-parallel rank's
+    layers hold (at tp 4 the tiny model's 2 KV heads give each rank one, replicated), not the whole model's:
+    a kernel's tiles follow the query heads per KV head and the heads per program."""
+    from nibble.kernels.selftest import SELF_TESTS, SelfTestContext
+    from nibble.layers.attention import GatedAttention
+    from nibble.layers.gdn import GatedDeltaNet
+
+    model_dir = checkpoints["fp32"]
+    config = ModelConfig.from_pretrained(model_dir)
+    model = load_model(model_dir, config, KernelSet.reference(), dtype=torch.float32, device="cpu",
+                       parallel=ParallelContext(0, tp))
+    attention = {(m.num_heads, m.num_kv_heads) for m in model.modules() if isinstance(m, GatedAttention)}
+    gdn = {(m.num_k_heads, m.num_v_heads, m.conv_dim) for m in model.modules() if isinstance(m, GatedDeltaNet)}
+    assert len(attention) == 1 and len(gdn) == 1
+
+    ref = KernelSet.reference()
+    seen: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+
+    def spy(op: str, shape_of):
+        def fn(*args, **kwargs):
+            seen[op].add(shape_of(*args))
+            return getattr(ref, op)(*args, **kwargs)
+        return fn
+
+    shapes = {
+        "paged_attention": lambda q, k_cache, *_: (q.shape[1], k_cache.shape[2]),
+        "store_kv": lambda k, v, k_cache, *_: (k_cache.shape[2], k.shape[1]),
+        "qk_rms_norm": lambda q, k, *_: (q.shape[1], k.shape[1]),
+        "rope": lambda q, k, *_: (q.shape[1], k.shape[1]),
+        "gated_delta_rule": lambda q, k, v, *_: (q.shape[1], v.shape[1]),
+        "gated_delta_rule_decode": lambda q, k, v, *_: (q.shape[1], v.shape[1]),
+        "causal_conv1d": lambda x, *_: (x.shape[1],),
+        "gdn_gating": lambda a, *_: (a.shape[1],),
+    }
+    ctx = SelfTestContext(config, torch.device("cpu"), torch.float32, torch.float32, 16,
+                          torch.Generator().manual_seed(0), tp_size=tp)
+    for op, shape_of in shapes.items():
+        assert SELF_TESTS[op](spy(op, shape_of), ctx) < 1e-4
+    (hq, hkv), = attention
+    (hk, hv, conv_dim), = gdn
+    assert all(seen[op] == {(hq, hkv)} for op in ("paged_attention", "qk_rms_norm", "rope"))
+    assert seen["store_kv"] == {(hkv, hkv)}
+    assert seen["gated_delta_rule"] == seen["gated_delta_rule_decode"] == {(hk, hv)}
+    assert seen["causal_conv1d"] == {(conv_dim,)} and seen["gdn_gating"] == {(hv,)}
+
+
 def _all_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor, Path]]:
     from nibble.checkpoint.safetensors_io import iter_tensors, list_shards
 
