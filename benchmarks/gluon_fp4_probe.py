@@ -176,7 +176,8 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
 
 def grouped(args: argparse.Namespace) -> None:
     """The converter-decode kernel on E experts' weights [E, N, K], --m rows of activations each (balanced
-    routing after sorting: 122B-A10B gate_up at 4096 tokens is E 256, M 128, N 2048, K 3072)."""
+    routing after sorting: 122B-A10B gate_up at 4096 tokens is E 256, M 128, N 2048, K 3072; at 256 tokens
+    M 8)."""
     from nibble.formats.nvfp4 import quantize_to_compute_form
 
     dev = torch.device("cuda")
@@ -188,7 +189,13 @@ def grouped(args: argparse.Namespace) -> None:
     q16, s8, g_cvt = w.packed.view(torch.int16), w.block_scale.view(torch.uint8), w.global_scale * CVT_ACC_SCALE
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     flops = 2 * e * m * n * k
-    for bn, bm, bk, wp, st in ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3)):
+    print(f"grouped {e} x {m}x{n}x{k}: {e * n * k * 9 // 16 / 1e6:.0f} MB of FP4 weights and block scales", flush=True)
+    if m < 64:
+        # decode sizes (--m pairs per expert): the tokens are the wgmma's N, as narrow as 8
+        tiles = ((64, m, 64, 4, 4), (128, m, 64, 4, 4), (64, m, 128, 4, 3), (128, m, 128, 4, 3), (256, m, 64, 8, 4))
+    else:
+        tiles = ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3))
+    for bn, bm, bk, wp, st in tiles:
         kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st)
         report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
                     lambda kw=kw: partial(cvt_gemm, stage_slices(a, kw["bk"]), q16, s8, g_cvt, **kw), ref, flops, flush)

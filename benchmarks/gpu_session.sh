@@ -272,10 +272,13 @@ stage_moeshards() {  # the table's choice on one rank's share of tensor- / exper
 }
 stage_gluonprobe() { run gluonprobe 150 python3 benchmarks/gluon_probe.py; }  # Gluon on this Triton: names, async-wgmma GEMM
 stage_gluonfp4() {  # the register-operand Gluon GEMM on NVFP4 weights: dense against nvfp4_linear, then grouped
-  # like the 122B-A10B's gate_up at 4096 tokens beside the Triton gate_up's kernel time there (--profile)
+  # like the 122B-A10B's gate_up at 4096 tokens and at decode sizes (8 / 16 pairs per expert: 256 / 512 tokens)
+  # beside the Triton gate_up's kernel time at those token counts (--profile)
   run gluonfp4 200 python3 benchmarks/gluon_fp4_probe.py
   run gluonfp4moe 200 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 128 --n 2048 --k 3072
-  run moeprof4096 200 python3 benchmarks/moe_bench.py --models 122B --tokens 4096 --only '^auto$' --profile \
+  run gluonfp4dec 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 8 --n 2048 --k 3072
+  run gluonfp4dec16 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 16 --n 2048 --k 3072
+  run moeprof4096 200 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512,4096 --only '^auto$' --profile \
     --out "$OUT/moeprof4096.json"
 }
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
