@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # gluon_probe exits with a message on a Triton without a Hopper Gluon
 from gluon_probe import (
     TensorDescriptor,
+    cta_barrier,
     gl,
     gluon,
     mbarrier,
@@ -101,13 +102,18 @@ def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale
 
 @gluon.jit
 def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl.constexpr, BN: gl.constexpr,
-                         BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr):
+                         BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr,
+                         SYNC: gl.constexpr = 0):
     """`rega_fp4_gemm_kernel` with nibble's e4m3-converter decode (fp4_tiles DEC 3, inline PTX: one word of 8
     codes -> 4 fp16 pairs) and fp16 MMAs: q int16 [N, K/4] (units of 4 codes), s uint8 e4m3 [N, K/16], g fp32
     [N] (global scale times 2^6 * 2^F16_X_SHIFT); a fp16 [M, K] staged by `stage_slices`, each BK chunk as 4
     slices of BK/4 (slice t holds the K positions 4u + t), so decode output t is the A operand of slice t's
     wgmma: four async wgmma per step. Grouped like an MoE layer's experts after sorting: program_id(2) is the
-    expert, whose M_PER rows of a and c follow the previous expert's, and q, s, g hold [E, N, ...]."""
+    expert, whose M_PER rows of a and c follow the previous expert's, and q, s, g hold [E, N, ...].
+
+    SYNC (bits; 0 in the timed runs) adds the synchronisation each suspect of the wrong tiles (`--check`)
+    would need: 1 a proxy fence and CTA barrier after the barriers' init, 2 every step's wgmma waited for
+    before the next decode, 4 a CTA barrier before each TMA refill."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -117,7 +123,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     off_m = ex * M_PER + gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
-    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES)
+    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES, FENCE=(SYNC & 1) != 0)
     rn = ex.to(gl.int64) * N + off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
     q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 4) + ru[None, :]
@@ -141,7 +147,12 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
         s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
         # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
-        acc = warpgroup_mma_wait(4, deps=[acc])
+        if SYNC & 2:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            acc = warpgroup_mma_wait(4, deps=[acc])
+        if SYNC & 4:
+            cta_barrier()
         tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
     store_transposed(acc, g_ptr + ex.to(gl.int64) * N, c_ptr, off_m, off_n, N, BM, BN, acc_l)
@@ -156,22 +167,53 @@ def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
 
 
 def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, bm: int = 256, bn: int = 64,
-             bk: int = 64, warps: int = 4, stages: int = 3):
+             bk: int = 64, warps: int = 4, stages: int = 3, sync: int = 0, poison: bool = False):
     """a16 from `stage_slices(a, bk)` [E * M_PER, K], q int16 [E, N, K/4], s uint8 [E, N, K/16], g fp32 [E, N]
     (global scale * 2^6 * 2^F16_X_SHIFT; E = 1 for a dense layer) -> ([E * M_PER, N] bf16, the compiled
-    kernel)."""
+    kernel). poison: the output starts as NaN, so that an element no program writes shows."""
     m, k = a16.shape
     e, n = q.shape[0], q.shape[1]
     m_per = m // e
     if m % e or m_per % bm or n % bn or k % bk or bk % 64:
         raise ValueError(f"gluon_fp4_probe: M / E, N, K = {m_per}, {n}, {k} must be multiples of {bm}, {bn}, {bk} "
                          f"(BK of 64)")
-    c = torch.empty(m, n, dtype=torch.bfloat16, device=a16.device)
+    if poison:
+        c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a16.device)
+    else:
+        c = torch.empty(m, n, dtype=torch.bfloat16, device=a16.device)
     desc = TensorDescriptor.from_tensor(a16, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16))
     kernel = rega_cvt_gemm_kernel[(m_per // bm, n // bn, e)](desc, q, s, g, c, m_per, n, k, BM=bm, BN=bn, BK=bk,
                                                              STAGES=stages, WARPS=warps, DECODE=DECODE_F16_CVT.value,
-                                                             num_warps=warps)
+                                                             SYNC=sync, num_warps=warps)
     return c, kernel
+
+
+def check(args: argparse.Namespace) -> None:
+    """The converter-decode tiles that gave wrong results (U1 of the thirty-seventh session: every one with 128
+    activation rows per tile but one) and two that did not, each three times on NaN-poisoned outputs, without
+    and with each SYNC suspect: relative error and NaN count per run, no timing."""
+    from nibble.formats.nvfp4 import quantize_to_compute_form
+
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    for e, m, n, k, tiles in ((1, 2048, 4096, 4096, ((64, 128, 128), (128, 128, 64), (64, 256, 64))),
+                              (256, 128, 2048, 3072, ((64, 128, 64), (128, 128, 64), (64, 64, 64)))):
+        a = torch.randn(e * m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        w = quantize_to_compute_form(torch.randn(e, n, k, device=dev, generator=g) * k ** -0.5)
+        ref = torch.bmm(a.float().view(e, m, k), w.dequantize().transpose(1, 2)).reshape(e * m, n)
+        q16, s8, g_cvt = w.packed.view(torch.int16), w.block_scale.view(torch.uint8), w.global_scale * CVT_ACC_SCALE
+        for bn, bm, bk in tiles:
+            a16 = stage_slices(a, bk)
+            for sync in (0, 1, 2, 4, 7):
+                runs = []
+                for _ in range(3):
+                    out, _kernel = cvt_gemm(a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, sync=sync, poison=True)
+                    torch.cuda.synchronize()
+                    nan = int(out.isnan().sum())
+                    err = float((out.float().nan_to_num() - ref).norm() / ref.norm())
+                    runs.append(f"err {err:.1e} nan {nan}")
+                print(f"check {e} x {m}x{n}x{k} tile {bn}x{bm}x{bk} sync {sync}: {' | '.join(runs)}", flush=True)
+        del w, ref
 
 
 def grouped(args: argparse.Namespace) -> None:
@@ -209,9 +251,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
     ap.add_argument("--experts", type=int, default=0,
                     help="instead: E grouped GEMMs of --m rows each, like an MoE layer's gate_up after sorting")
+    ap.add_argument("--check", action="store_true",
+                    help="instead: the wrong tiles' results again, three runs each, with each synchronisation suspect")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gluon_fp4_probe: needs a CUDA GPU")
+    if args.check:
+        return check(args)
     if args.experts:
         return grouped(args)
     from nibble.formats.nvfp4 import quantize_to_compute_form

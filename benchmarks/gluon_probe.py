@@ -197,11 +197,16 @@ def ws_dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
 
 
 @gluon.jit
-def tma_ring_start(a_desc, a_s, bars, off_m, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def tma_ring_start(a_desc, a_s, bars, off_m, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                   FENCE: gl.constexpr = False):
     """Arm the STAGES mbarriers of the activation ring a_s [STAGES, BM, BK] (16-bit) and ask TMA for the
-    tiles of the first STAGES - 1 K steps of rows off_m.."""
+    tiles of the first STAGES - 1 K steps of rows off_m.. FENCE: the initialised barriers made visible to the
+    async proxy and every warp before the first copy (a suspect in gluon_fp4_probe's wrong tiles)."""
     for j in gl.static_range(STAGES):
         mbarrier.init(bars.index(j), count=1)
+    if FENCE:
+        fence_async_shared()
+        cta_barrier()
     for j in gl.static_range(STAGES - 1):
         mbarrier.expect(bars.index(j), BM * BK * 2)
         tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))

@@ -281,6 +281,8 @@ stage_gluonfp4() {  # the register-operand Gluon GEMM on NVFP4 weights: dense ag
   run moeprof4096 200 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512,4096 --only '^auto$' --profile \
     --out "$OUT/moeprof4096.json"
 }
+stage_gluoncheck() { run gluoncheck 300 python3 benchmarks/gluon_fp4_probe.py --check; }  # the wrong tiles, with each suspect's fix
+
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
   local r
   for r in 1 2; do
