@@ -103,7 +103,7 @@ def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale
 @gluon.jit
 def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr,
-                         SYNC: gl.constexpr = 0):
+                         SYNC: gl.constexpr = 0, AHEAD: gl.constexpr = 1):
     """`rega_fp4_gemm_kernel` with nibble's e4m3-converter decode (fp4_tiles DEC 3, inline PTX: one word of 8
     codes -> 4 fp16 pairs) and fp16 MMAs: q int16 [N, K/4] (units of 4 codes), s uint8 e4m3 [N, K/16], g fp32
     [N] (global scale times 2^6 * 2^F16_X_SHIFT); a fp16 [M, K] staged by `stage_slices`, each BK chunk as 4
@@ -113,7 +113,8 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
 
     SYNC (bits; 0 in the timed runs) adds the synchronisation each suspect of the wrong tiles (`--check`)
     would need: 1 a proxy fence and CTA barrier after the barriers' init, 2 every step's wgmma waited for
-    before the next decode, 4 a CTA barrier before each TMA refill."""
+    before the next decode, 4 a CTA barrier before each TMA refill. AHEAD: how many K steps ahead the weight
+    and scale loads run (1 or 2: at decode sizes the layer is a weight stream, which wants more in flight)."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -130,6 +131,10 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     s_rows = s_ptr + rn.to(gl.int64)[:, None] * (K // 16) + (ru // 4)[None, :]
     q = gl.load(q_rows)
     s = gl.load(s_rows)
+    if AHEAD == 2:
+        more = (ru < (K - BK) // 4)[None, :]
+        q1 = gl.load(q_rows + U, mask=more, other=0)
+        s1 = gl.load(s_rows + U // 4, mask=more, other=0)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     for i in range(n_k):
         st = i % STAGES
@@ -143,9 +148,15 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         acc = warpgroup_mma(w1, a_t.slice(U, U, 1).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(w2, a_t.slice(2 * U, U, 1).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(w3, a_t.slice(3 * U, U, 1).permute((1, 0)), acc, is_async=True)
-        more = (ru < (K - (i + 1) * BK) // 4)[None, :]
-        q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
-        s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
+        more = (ru < (K - (i + AHEAD) * BK) // 4)[None, :]
+        if AHEAD == 2:
+            q = q1
+            s = s1
+            q1 = gl.load(q_rows + (i + 2) * U, mask=more, other=0)
+            s1 = gl.load(s_rows + (i + 2) * (U // 4), mask=more, other=0)
+        else:
+            q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
+            s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
         # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
         if SYNC & 2:
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -167,7 +178,7 @@ def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
 
 
 def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, bm: int = 256, bn: int = 64,
-             bk: int = 64, warps: int = 4, stages: int = 3, sync: int = 0, poison: bool = False):
+             bk: int = 64, warps: int = 4, stages: int = 3, sync: int = 0, poison: bool = False, ahead: int = 1):
     """a16 from `stage_slices(a, bk)` [E * M_PER, K], q int16 [E, N, K/4], s uint8 [E, N, K/16], g fp32 [E, N]
     (global scale * 2^6 * 2^F16_X_SHIFT; E = 1 for a dense layer) -> ([E * M_PER, N] bf16, the compiled
     kernel). poison: the output starts as NaN, so that an element no program writes shows."""
@@ -184,7 +195,7 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
     desc = TensorDescriptor.from_tensor(a16, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float16))
     kernel = rega_cvt_gemm_kernel[(m_per // bm, n // bn, e)](desc, q, s, g, c, m_per, n, k, BM=bm, BN=bn, BK=bk,
                                                              STAGES=stages, WARPS=warps, DECODE=DECODE_F16_CVT.value,
-                                                             SYNC=sync, num_warps=warps)
+                                                             SYNC=sync, AHEAD=ahead, num_warps=warps)
     return c, kernel
 
 
@@ -233,13 +244,16 @@ def grouped(args: argparse.Namespace) -> None:
     flops = 2 * e * m * n * k
     print(f"grouped {e} x {m}x{n}x{k}: {e * n * k * 9 // 16 / 1e6:.0f} MB of FP4 weights and block scales", flush=True)
     if m < 64:
-        # decode sizes (--m pairs per expert): the tokens are the wgmma's N, as narrow as 8
-        tiles = ((64, m, 64, 4, 4), (128, m, 64, 4, 4), (64, m, 128, 4, 3), (128, m, 128, 4, 3), (256, m, 64, 8, 4))
+        # decode sizes (--m pairs per expert): the tokens are the wgmma's N, as narrow as 8; the weights loaded
+        # one or two K steps ahead
+        tiles = [(bn, m, bk, wp, st, ahead) for ahead in (1, 2)
+                 for bn, bk, wp, st in ((64, 64, 4, 4), (128, 64, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3),
+                                        (256, 64, 8, 4))]
     else:
-        tiles = ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3))
-    for bn, bm, bk, wp, st in tiles:
-        kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st)
-        report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
+        tiles = [(64, 128, 64, 4, 3, 1), (128, 128, 64, 4, 3, 1), (64, 128, 128, 4, 3, 1), (64, 64, 64, 4, 3, 1)]
+    for bn, bm, bk, wp, st, ahead in tiles:
+        kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st, ahead=ahead)
+        report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st} ahead {ahead}",
                     lambda kw=kw: partial(cvt_gemm, stage_slices(a, kw["bk"]), q16, s8, g_cvt, **kw), ref, flops, flush)
 
 

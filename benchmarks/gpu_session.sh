@@ -281,6 +281,12 @@ stage_gluonfp4() {  # the register-operand Gluon GEMM on NVFP4 weights: dense ag
   run moeprof4096 200 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512,4096 --only '^auto$' --profile \
     --out "$OUT/moeprof4096.json"
 }
+stage_gluondec() {  # the Gluon GEMM at decode sizes, weights one or two K steps ahead, beside the Triton gate_up's time
+  run gluonfp4dec 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 8 --n 2048 --k 3072
+  run gluonfp4dec16 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 16 --n 2048 --k 3072
+  run moeprofdec 120 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512 --only '^auto$' --profile \
+    --out "$OUT/moeprofdec.json"
+}
 stage_gluoncheck() { run gluoncheck 300 python3 benchmarks/gluon_fp4_probe.py --check; }  # the wrong tiles, with each suspect's fix
 
 stage_moe35dn() {  # 35B-A3B at 2-4 tokens: wider / one-step down tiles against the table (thirty-fourth session's dn_early hint)
