@@ -200,22 +200,22 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
 
 
 def check(args: argparse.Namespace) -> None:
-    """The converter-decode tiles that gave wrong results (U1 of the thirty-seventh session: every one with 128
+    """Two converter-decode tiles that gave wrong results (V1 of the thirty-seventh session: every one with 128
     activation rows per tile but one) and two that did not, each three times on NaN-poisoned outputs, without
     and with each SYNC suspect: relative error and NaN count per run, no timing."""
     from nibble.formats.nvfp4 import quantize_to_compute_form
 
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
-    for e, m, n, k, tiles in ((1, 2048, 4096, 4096, ((64, 128, 128), (128, 128, 64), (64, 256, 64))),
-                              (256, 128, 2048, 3072, ((64, 128, 64), (128, 128, 64), (64, 64, 64)))):
+    for e, m, n, k, tiles in ((1, 2048, 4096, 4096, ((64, 128, 128), (64, 256, 64))),
+                              (256, 128, 2048, 3072, ((64, 128, 64), (64, 64, 64)))):
         a = torch.randn(e * m, k, device=dev, dtype=torch.bfloat16, generator=g)
         w = quantize_to_compute_form(torch.randn(e, n, k, device=dev, generator=g) * k ** -0.5)
         ref = torch.bmm(a.float().view(e, m, k), w.dequantize().transpose(1, 2)).reshape(e * m, n)
         q16, s8, g_cvt = w.packed.view(torch.int16), w.block_scale.view(torch.uint8), w.global_scale * CVT_ACC_SCALE
         for bn, bm, bk in tiles:
             a16 = stage_slices(a, bk)
-            for sync in (0, 1, 2, 4, 7):
+            for sync in (0, 1, 2, 4):
                 runs = []
                 for _ in range(3):
                     out, _kernel = cvt_gemm(a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, sync=sync, poison=True)
