@@ -113,7 +113,9 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
 
     SYNC (bits; 0 in the timed runs) adds the synchronisation each suspect of the wrong tiles (`--check`)
     would need: 1 a proxy fence and CTA barrier after the barriers' init, 2 every step's wgmma waited for
-    before the next decode, 4 a CTA barrier before each TMA refill. AHEAD: how many K steps ahead the weight
+    before the next decode, 4 a CTA barrier before each TMA refill, 8 each step's A fragments (the decoded
+    weights in registers, which the async wgmma read) kept live until the wait that retires that step's wgmma,
+    so that the next step's decode cannot be given their registers. AHEAD: how many K steps ahead the weight
     and scale loads run (1 or 2: at decode sizes the layer is a weight stream, which wants more in flight)."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
@@ -136,6 +138,12 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         q1 = gl.load(q_rows + U, mask=more, other=0)
         s1 = gl.load(s_rows + U // 4, mask=more, other=0)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
+    if SYNC & 8:
+        # the previous step's A fragments, live until the wait that retires their wgmma
+        p0 = gl.zeros([BN, U], gl.float16, w_l)
+        p1 = gl.zeros([BN, U], gl.float16, w_l)
+        p2 = gl.zeros([BN, U], gl.float16, w_l)
+        p3 = gl.zeros([BN, U], gl.float16, w_l)
     for i in range(n_k):
         st = i % STAGES
         sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
@@ -160,12 +168,21 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
         if SYNC & 2:
             acc = warpgroup_mma_wait(0, deps=[acc])
+        elif SYNC & 8:
+            acc, p0, p1, p2, p3 = warpgroup_mma_wait(4, deps=[acc, p0, p1, p2, p3])
+            p0 = w0
+            p1 = w1
+            p2 = w2
+            p3 = w3
         else:
             acc = warpgroup_mma_wait(4, deps=[acc])
         if SYNC & 4:
             cta_barrier()
         tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    if SYNC & 8:
+        acc, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[acc, p0, p1, p2, p3])
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc])
     store_transposed(acc, g_ptr + ex.to(gl.int64) * N, c_ptr, off_m, off_n, N, BM, BN, acc_l)
 
 
@@ -252,8 +269,9 @@ def grouped(args: argparse.Namespace) -> None:
     else:
         tiles = [(64, 128, 64, 4, 3, 1), (128, 128, 64, 4, 3, 1), (64, 128, 128, 4, 3, 1), (64, 64, 64, 4, 3, 1)]
     for bn, bm, bk, wp, st, ahead in tiles:
-        kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st, ahead=ahead)
-        report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st} ahead {ahead}",
+        kw = dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st, ahead=ahead, sync=args.sync)
+        report_tile(f"grouped {e} x {m}x{n}x{k}, converter decode {bn}x{bm}x{bk} w{wp} s{st} ahead {ahead} "
+                    f"sync {args.sync}",
                     lambda kw=kw: partial(cvt_gemm, stage_slices(a, kw["bk"]), q16, s8, g_cvt, **kw), ref, flops, flush)
 
 
@@ -265,6 +283,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
     ap.add_argument("--experts", type=int, default=0,
                     help="instead: E grouped GEMMs of --m rows each, like an MoE layer's gate_up after sorting")
+    ap.add_argument("--sync", type=int, default=0, help="the converter-decode kernel's SYNC bits for the timed tiles")
     ap.add_argument("--check", action="store_true",
                     help="instead: the wrong tiles' results again, three runs each, with each synchronisation suspect")
     args = ap.parse_args()
@@ -296,8 +315,8 @@ def main() -> None:
         report_tile(name, lambda kw=kw: partial(fp4_gemm, a, w.packed, scales, gscale, **kw), ref, flops, flush)
     q16, s8 = w.packed.view(torch.int16)[None], w.block_scale.view(torch.uint8)[None]
     g_cvt = (w.global_scale * CVT_ACC_SCALE)[None]
-    cvt_tiles = [(f"NVFP4 weights from registers, converter decode {bn}x{bm}x{bk} w{wp} s{st}",
-                  dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st))
+    cvt_tiles = [(f"NVFP4 weights from registers, converter decode {bn}x{bm}x{bk} w{wp} s{st} sync {args.sync}",
+                  dict(bm=bm, bn=bn, bk=bk, warps=wp, stages=st, sync=args.sync))
                  for bn, bm, bk, wp, st in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3),
                                             (64, 256, 128, 4, 2), (128, 128, 64, 4, 3), (64, 128, 128, 4, 3))]
     for name, kw in [t for t in cvt_tiles if re.search(args.only, t[0])]:
