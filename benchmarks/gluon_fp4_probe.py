@@ -101,6 +101,23 @@ def fp4_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gscale
 
 
 @gluon.jit
+def _cvt_mma_step(q, s, acc, a_s, bars, i, U: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr):
+    """One K step of `rega_cvt_gemm_kernel`: decode q / s into four A fragments, wait for the step's activation
+    stage, issue its four async wgmma."""
+    st = i % STAGES
+    sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    w0, w1, w2, w3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [q, sc],
+                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                               is_pure=True, pack=2)
+    mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+    a_t = a_s.index(st)
+    acc = warpgroup_mma(w0, a_t.slice(0, U, 1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(w1, a_t.slice(U, U, 1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(w2, a_t.slice(2 * U, U, 1).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(w3, a_t.slice(3 * U, U, 1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
 def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr,
                          SYNC: gl.constexpr = 0, AHEAD: gl.constexpr = 1):
@@ -115,7 +132,9 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     would need: 1 a proxy fence and CTA barrier after the barriers' init, 2 every step's wgmma waited for
     before the next decode, 4 a CTA barrier before each TMA refill, 8 each step's A fragments (the decoded
     weights in registers, which the async wgmma read) kept live until the wait that retires that step's wgmma,
-    so that the next step's decode cannot be given their registers. AHEAD: how many K steps ahead the weight
+    so that the next step's decode cannot be given their registers (it cannot: the wait keeps the unpacked
+    16-bit values, the wgmma read packed 32-bit registers), 16 two steps per loop iteration, their A fragments
+    in different registers. AHEAD: how many K steps ahead the weight
     and scale loads run (1 or 2: at decode sizes the layer is a weight stream, which wants more in flight)."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
@@ -144,7 +163,23 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         p1 = gl.zeros([BN, U], gl.float16, w_l)
         p2 = gl.zeros([BN, U], gl.float16, w_l)
         p3 = gl.zeros([BN, U], gl.float16, w_l)
-    for i in range(n_k):
+    if SYNC & 16:
+        # two K steps per iteration, so that the A fragments of consecutive steps are different registers: the
+        # decode of step i + 1 must not write the registers step i's wgmma, still running, read (n_k even)
+        for i in range(0, n_k, 2):
+            acc = _cvt_mma_step(q, s, acc, a_s, bars, i, U, STAGES, DECODE)
+            more = (ru < (K - (i + 1) * BK) // 4)[None, :]
+            q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
+            s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
+            acc = warpgroup_mma_wait(4, deps=[acc])
+            tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
+            acc = _cvt_mma_step(q, s, acc, a_s, bars, i + 1, U, STAGES, DECODE)
+            more = (ru < (K - (i + 2) * BK) // 4)[None, :]
+            q = gl.load(q_rows + (i + 2) * U, mask=more, other=0)
+            s = gl.load(s_rows + (i + 2) * (U // 4), mask=more, other=0)
+            acc = warpgroup_mma_wait(4, deps=[acc])
+            tma_ring_refill(a_desc, a_s, bars, off_m, i + 1, n_k, BM, BK, STAGES)
+    for i in range(n_k if SYNC & 16 else 0, n_k):
         st = i % STAGES
         sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
         w0, w1, w2, w3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [q, sc],
@@ -202,7 +237,7 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
     m, k = a16.shape
     e, n = q.shape[0], q.shape[1]
     m_per = m // e
-    if m % e or m_per % bm or n % bn or k % bk or bk % 64:
+    if m % e or m_per % bm or n % bn or k % bk or bk % 64 or (sync & 16 and k // bk % 2):
         raise ValueError(f"gluon_fp4_probe: M / E, N, K = {m_per}, {n}, {k} must be multiples of {bm}, {bn}, {bk} "
                          f"(BK of 64)")
     if poison:
@@ -232,7 +267,7 @@ def check(args: argparse.Namespace) -> None:
         q16, s8, g_cvt = w.packed.view(torch.int16), w.block_scale.view(torch.uint8), w.global_scale * CVT_ACC_SCALE
         for bn, bm, bk in tiles:
             a16 = stage_slices(a, bk)
-            for sync in (0, 1, 2, 4):
+            for sync in (0, 2, 16):
                 runs = []
                 for _ in range(3):
                     out, _kernel = cvt_gemm(a16, q16, s8, g_cvt, bm=bm, bn=bn, bk=bk, sync=sync, poison=True)

@@ -287,12 +287,15 @@ stage_gluondec() {  # the Gluon GEMM at decode sizes, weights one or two K steps
   run moeprofdec 120 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512 --only '^auto$' --profile \
     --out "$OUT/moeprofdec.json"
 }
-stage_gluonsync() {  # the converter-decode Gluon GEMM timed with its wgmma waited for every step (SYNC 2, which --check
-  # found right) and as before (SYNC 0), dense and grouped like the 122B-A10B's gate_up at 4096 tokens
-  run gluonsync2 150 python3 benchmarks/gluon_fp4_probe.py --sync 2 --only 'converter|Triton'
-  run gluonsync0 150 python3 benchmarks/gluon_fp4_probe.py --sync 0 --only 'converter'
-  run gluonsyncmoe2 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 128 --n 2048 --k 3072 --sync 2
-  run gluonsyncmoe0 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 128 --n 2048 --k 3072 --sync 0
+stage_gluonsync() {  # the converter-decode Gluon GEMM with its wgmma waited for every step (SYNC 2) and with two steps
+  # per loop iteration in different A registers (SYNC 16), checked (--check) and timed, dense and grouped like the
+  # 122B-A10B's gate_up at 4096 tokens, beside the racy SYNC 0 and the Triton nvfp4_linear
+  run gluoncheck 150 python3 benchmarks/gluon_fp4_probe.py --check
+  local s
+  for s in 16 2 0; do
+    run "gluonsync$s" 120 python3 benchmarks/gluon_fp4_probe.py --sync "$s" --only 'converter'
+    run "gluonsyncmoe$s" 120 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 128 --n 2048 --k 3072 --sync "$s"
+  done
 }
 stage_gluoncheck() { run gluoncheck 300 python3 benchmarks/gluon_fp4_probe.py --check; }  # the wrong tiles, with each suspect's fix
 
