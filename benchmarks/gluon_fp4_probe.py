@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # gluon_probe exits with a message on a Triton without a Hopper Gluon
 from gluon_probe import (
     TensorDescriptor,
-    cta_barrier,
     gl,
     gluon,
     mbarrier,
@@ -79,7 +78,9 @@ def rega_fp4_gemm_kernel(a_desc, q_ptr, sc_ptr, g_ptr, c_ptr, M, N, K, BM: gl.co
         more = (rk < K - (i + 1) * BK)[None, :]
         q = gl.load(q_rows + (i + 1) * (BK // 2), mask=more, other=0)
         sc = gl.load(s_rows + (i + 1) * (BK // 16), mask=more, other=0.0)
-        acc = warpgroup_mma_wait(1, deps=[acc])
+        # all of it: the next step's A fragments are written into the registers this wgmma reads (thirty-seventh
+        # session, `rega_cvt_gemm_kernel`; waiting for one step less was a race)
+        acc = warpgroup_mma_wait(0, deps=[acc])
         tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
     store_transposed(acc, g_ptr, c_ptr, off_m, off_n, N, BM, BN, acc_l)
@@ -120,7 +121,7 @@ def _cvt_mma_step(q, s, acc, a_s, bars, i, U: gl.constexpr, STAGES: gl.constexpr
 @gluon.jit
 def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl.constexpr, BN: gl.constexpr,
                          BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr,
-                         SYNC: gl.constexpr = 0, AHEAD: gl.constexpr = 1):
+                         SYNC: gl.constexpr = 2, AHEAD: gl.constexpr = 1):
     """`rega_fp4_gemm_kernel` with nibble's e4m3-converter decode (fp4_tiles DEC 3, inline PTX: one word of 8
     codes -> 4 fp16 pairs) and fp16 MMAs: q int16 [N, K/4] (units of 4 codes), s uint8 e4m3 [N, K/16], g fp32
     [N] (global scale times 2^6 * 2^F16_X_SHIFT); a fp16 [M, K] staged by `stage_slices`, each BK chunk as 4
@@ -128,14 +129,14 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     wgmma: four async wgmma per step. Grouped like an MoE layer's experts after sorting: program_id(2) is the
     expert, whose M_PER rows of a and c follow the previous expert's, and q, s, g hold [E, N, ...].
 
-    SYNC (bits; 0 in the timed runs) adds the synchronisation each suspect of the wrong tiles (`--check`)
-    would need: 1 a proxy fence and CTA barrier after the barriers' init, 2 every step's wgmma waited for
-    before the next decode, 4 a CTA barrier before each TMA refill, 8 each step's A fragments (the decoded
-    weights in registers, which the async wgmma read) kept live until the wait that retires that step's wgmma,
-    so that the next step's decode cannot be given their registers (it cannot: the wait keeps the unpacked
-    16-bit values, the wgmma read packed 32-bit registers), 16 two steps per loop iteration, their A fragments
-    in different registers. AHEAD: how many K steps ahead the weight
-    and scale loads run (1 or 2: at decode sizes the layer is a weight stream, which wants more in flight)."""
+    SYNC (bits) is how the decode of step i + 1 is kept off the A registers of step i's wgmma: 0 not at all
+    (the first version: with one step per iteration the PTX rewrites registers that running wgmma read, and
+    tiles of 128 activation rows gave wrong results), 2 (default) every step's wgmma waited for before the next
+    decode (as fast: other programs on the SM fill the wait), 16 two steps per loop iteration in different
+    registers (benchmarks.md, thirty-seventh session, has the suspects `--check` ruled out).
+
+    AHEAD: how many K steps ahead the weight and scale loads run (1 or 2; two were no faster at decode
+    sizes)."""
     U: gl.constexpr = BK // 4
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -145,7 +146,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     off_m = ex * M_PER + gl.program_id(0) * BM
     off_n = gl.program_id(1) * BN
     n_k = K // BK
-    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES, FENCE=(SYNC & 1) != 0)
+    tma_ring_start(a_desc, a_s, bars, off_m, BM, BK, STAGES)
     rn = ex.to(gl.int64) * N + off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
     ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
     q_rows = q_ptr + rn.to(gl.int64)[:, None] * (K // 4) + ru[None, :]
@@ -157,12 +158,6 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         q1 = gl.load(q_rows + U, mask=more, other=0)
         s1 = gl.load(s_rows + U // 4, mask=more, other=0)
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
-    if SYNC & 8:
-        # the previous step's A fragments, live until the wait that retires their wgmma
-        p0 = gl.zeros([BN, U], gl.float16, w_l)
-        p1 = gl.zeros([BN, U], gl.float16, w_l)
-        p2 = gl.zeros([BN, U], gl.float16, w_l)
-        p3 = gl.zeros([BN, U], gl.float16, w_l)
     if SYNC & 16:
         # two K steps per iteration, so that the A fragments of consecutive steps are different registers: the
         # decode of step i + 1 must not write the registers step i's wgmma, still running, read (n_k even)
@@ -203,21 +198,10 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
         if SYNC & 2:
             acc = warpgroup_mma_wait(0, deps=[acc])
-        elif SYNC & 8:
-            acc, p0, p1, p2, p3 = warpgroup_mma_wait(4, deps=[acc, p0, p1, p2, p3])
-            p0 = w0
-            p1 = w1
-            p2 = w2
-            p3 = w3
         else:
             acc = warpgroup_mma_wait(4, deps=[acc])
-        if SYNC & 4:
-            cta_barrier()
         tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
-    if SYNC & 8:
-        acc, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[acc, p0, p1, p2, p3])
-    else:
-        acc = warpgroup_mma_wait(0, deps=[acc])
+    acc = warpgroup_mma_wait(0, deps=[acc])
     store_transposed(acc, g_ptr + ex.to(gl.int64) * N, c_ptr, off_m, off_n, N, BM, BN, acc_l)
 
 
@@ -230,7 +214,7 @@ def stage_slices(a: torch.Tensor, bk: int) -> torch.Tensor:
 
 
 def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, bm: int = 256, bn: int = 64,
-             bk: int = 64, warps: int = 4, stages: int = 3, sync: int = 0, poison: bool = False, ahead: int = 1):
+             bk: int = 64, warps: int = 4, stages: int = 3, sync: int = 2, poison: bool = False, ahead: int = 1):
     """a16 from `stage_slices(a, bk)` [E * M_PER, K], q int16 [E, N, K/4], s uint8 [E, N, K/16], g fp32 [E, N]
     (global scale * 2^6 * 2^F16_X_SHIFT; E = 1 for a dense layer) -> ([E * M_PER, N] bf16, the compiled
     kernel). poison: the output starts as NaN, so that an element no program writes shows."""
@@ -253,8 +237,8 @@ def cvt_gemm(a16: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tenso
 
 def check(args: argparse.Namespace) -> None:
     """Two converter-decode tiles that gave wrong results (V1 of the thirty-seventh session: every one with 128
-    activation rows per tile but one) and two that did not, each three times on NaN-poisoned outputs, without
-    and with each SYNC suspect: relative error and NaN count per run, no timing."""
+    activation rows per tile but one) and two that did not, each three times on NaN-poisoned outputs with SYNC
+    0, 2 and 16: relative error and NaN count per run, no timing."""
     from nibble.formats.nvfp4 import quantize_to_compute_form
 
     dev = torch.device("cuda")
@@ -318,7 +302,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="regular expression: time only the kernels whose names match")
     ap.add_argument("--experts", type=int, default=0,
                     help="instead: E grouped GEMMs of --m rows each, like an MoE layer's gate_up after sorting")
-    ap.add_argument("--sync", type=int, default=0, help="the converter-decode kernel's SYNC bits for the timed tiles")
+    ap.add_argument("--sync", type=int, default=2,
+                    help="the converter-decode kernel's SYNC bits for the timed tiles (0: the racy original)")
     ap.add_argument("--check", action="store_true",
                     help="instead: the wrong tiles' results again, three runs each, with each synchronisation suspect")
     args = ap.parse_args()

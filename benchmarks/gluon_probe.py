@@ -197,16 +197,11 @@ def ws_dq_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
 
 
 @gluon.jit
-def tma_ring_start(a_desc, a_s, bars, off_m, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                   FENCE: gl.constexpr = False):
+def tma_ring_start(a_desc, a_s, bars, off_m, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """Arm the STAGES mbarriers of the activation ring a_s [STAGES, BM, BK] (16-bit) and ask TMA for the
-    tiles of the first STAGES - 1 K steps of rows off_m.. FENCE: the initialised barriers made visible to the
-    async proxy and every warp before the first copy (a suspect in gluon_fp4_probe's wrong tiles)."""
+    tiles of the first STAGES - 1 K steps of rows off_m.."""
     for j in gl.static_range(STAGES):
         mbarrier.init(bars.index(j), count=1)
-    if FENCE:
-        fence_async_shared()
-        cta_barrier()
     for j in gl.static_range(STAGES - 1):
         mbarrier.expect(bars.index(j), BM * BK * 2)
         tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
@@ -255,7 +250,9 @@ def rega_gemm_kernel(a_desc, w_ptr, s_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN:
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         acc = warpgroup_mma(w.to(gl.bfloat16), a_s.index(st).permute((1, 0)), acc, is_async=True)
         w = gl.load(w_rows + (i + 1) * BK, mask=(rk < K - (i + 1) * BK)[None, :], other=0)
-        acc = warpgroup_mma_wait(1, deps=[acc])
+        # all of it: the next step's A fragments are written into the registers this wgmma reads (thirty-seventh
+        # session, `rega_cvt_gemm_kernel`; waiting for one step less was a race)
+        acc = warpgroup_mma_wait(0, deps=[acc])
         tma_ring_refill(a_desc, a_s, bars, off_m, i, n_k, BM, BK, STAGES)
     acc = warpgroup_mma_wait(0, deps=[acc])
     store_transposed(acc, s_ptr, c_ptr, off_m, off_n, N, BM, BN, acc_l)
