@@ -129,7 +129,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
     wgmma: four async wgmma per step. Grouped like an MoE layer's experts after sorting: program_id(2) is the
     expert, whose M_PER rows of a and c follow the previous expert's, and q, s, g hold [E, N, ...].
 
-    SYNC (bits) is how the decode of step i + 1 is kept off the A registers of step i's wgmma: 0 not at all
+    SYNC is how the decode of step i + 1 is kept off the A registers of step i's wgmma: 0 not at all
     (the first version: with one step per iteration the PTX rewrites registers that running wgmma read, and
     tiles of 128 activation rows gave wrong results), 2 (default) every step's wgmma waited for before the next
     decode (as fast: other programs on the SM fill the wait), 16 two steps per loop iteration in different
@@ -175,17 +175,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
             acc = warpgroup_mma_wait(4, deps=[acc])
             tma_ring_refill(a_desc, a_s, bars, off_m, i + 1, n_k, BM, BK, STAGES)
     for i in range(n_k if SYNC & 16 else 0, n_k):
-        st = i % STAGES
-        sc = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-        w0, w1, w2, w3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [q, sc],
-                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-                                                   is_pure=True, pack=2)
-        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-        a_t = a_s.index(st)
-        acc = warpgroup_mma(w0, a_t.slice(0, U, 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(w1, a_t.slice(U, U, 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(w2, a_t.slice(2 * U, U, 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(w3, a_t.slice(3 * U, U, 1).permute((1, 0)), acc, is_async=True)
+        acc = _cvt_mma_step(q, s, acc, a_s, bars, i, U, STAGES, DECODE)
         more = (ru < (K - (i + AHEAD) * BK) // 4)[None, :]
         if AHEAD == 2:
             q = q1
@@ -195,7 +185,7 @@ def rega_cvt_gemm_kernel(a_desc, q_ptr, s_ptr, g_ptr, c_ptr, M_PER, N, K, BM: gl
         else:
             q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
             s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
-        # the four just issued may still run; step i - 1's are done, so its stage takes step i + STAGES - 1
+        # SYNC 0 lets the four just issued run on (step i - 1's are done, so its stage takes step i + STAGES - 1)
         if SYNC & 2:
             acc = warpgroup_mma_wait(0, deps=[acc])
         else:
