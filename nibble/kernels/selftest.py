@@ -34,6 +34,7 @@ from nibble.kernels.selftest_harness import (  # noqa: F401  (re-exported: the n
     SelfTestContext,
     SelfTestFailure,
     _call,
+    dense_split,
     poison,
     rel_err,
 )
@@ -323,10 +324,7 @@ def dense_linear_shapes(c: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
     padded to 8, as the layers hold them); with tp > 1 on one tensor-parallel rank, as the layers split them
     (column-parallel projections N / tp rows, row-parallel ones K / tp columns, the router whole, one KV head where
     there are fewer than ranks); the whole model's where tp does not divide its heads (the loader refuses that)."""
-    heads = (c.linear_num_key_heads, c.linear_num_value_heads, c.num_attention_heads,
-             c.shared_expert_intermediate_size)
-    if any(n % tp for n in heads) or (c.num_key_value_heads % tp and tp % c.num_key_value_heads):
-        tp = 1
+    tp = dense_split(c, tp)
     kv = c.kv_proj_size // tp if c.num_key_value_heads % tp == 0 else c.head_dim
     si = c.shared_expert_intermediate_size // tp
     gdn_in = (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads) // tp

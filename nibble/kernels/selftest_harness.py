@@ -24,6 +24,17 @@ class SelfTestFailure(RuntimeError):
     pass
 
 
+def dense_split(c: ModelConfig, tp: int) -> int:
+    """The tensor-parallel size one rank's attention, GDN and shared-expert shapes are taken at: tp where it
+    divides their heads and the shared expert (and KV heads split tp ways or tp divides them, one per rank),
+    else 1, the whole model's shapes (the loader refuses such a split with the reason)."""
+    split = (c.linear_num_key_heads, c.linear_num_value_heads, c.num_attention_heads,
+             c.shared_expert_intermediate_size)
+    if any(n % tp for n in split) or (c.num_key_value_heads % tp and tp % c.num_key_value_heads):
+        return 1
+    return tp
+
+
 @dataclass
 class SelfTestContext:
     """What the self-tests run on: the model, device, dtypes, KV page size, the random source, and this
@@ -56,23 +67,16 @@ class SelfTestContext:
     @property
     def attention_heads(self) -> tuple[int, int]:
         """(query heads, KV heads) of one rank's attention layer: each split tp ways, or one KV head where
-        there are fewer KV heads than ranks (`layers.attention.kv_head_partition`); the whole layer where the
-        split does not fit, which the loader refuses with the reason."""
-        c, n = self.config, self.tp_size
-        hq, hkv = c.num_attention_heads, c.num_key_value_heads
-        if n == 1 or hq % n or (hkv % n and n % hkv):
-            return hq, hkv
-        return hq // n, max(hkv // n, 1)
+        there are fewer KV heads than ranks (`layers.attention.kv_head_partition`); the whole layer's where
+        `dense_split` takes the whole model."""
+        c, n = self.config, dense_split(self.config, self.tp_size)
+        return c.num_attention_heads // n, max(c.num_key_value_heads // n, 1)
 
     @property
     def linear_heads(self) -> tuple[int, int]:
-        """(key heads, value heads) of one rank's Gated DeltaNet layer, each split tp ways; the whole layer
-        where the split does not divide them."""
-        c, n = self.config, self.tp_size
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        if n == 1 or hk % n or hv % n:
-            return hk, hv
-        return hk // n, hv // n
+        """(key heads, value heads) of one rank's Gated DeltaNet layer, each split tp ways (`dense_split`)."""
+        c, n = self.config, dense_split(self.config, self.tp_size)
+        return c.linear_num_key_heads // n, c.linear_num_value_heads // n
 
     @property
     def linear_conv_dim(self) -> int:
