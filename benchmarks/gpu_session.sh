@@ -50,6 +50,7 @@ stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tes
 stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
 stage_countertests() { NIBBLE_TEST_GPU=1 run countertests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "nvfp4_dtypes or cuda_graph_replay or pdl_matches" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
+stage_gluontests() { NIBBLE_TEST_GPU=1 run gluontests 300 python3 -m pytest -q tests/gpu/test_moe_gluon_gpu.py -p no:cacheprovider -rf; }
 stage_densetests() { NIBBLE_TEST_GPU=1 run densetests 240 python3 -m pytest -q tests/gpu/test_dense_gemv_gpu.py -p no:cacheprovider -rf; }
 stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode projection shape; table entries from it
   run densegemv 360 python3 benchmarks/dense_gemv_bench.py --out "$OUT/dense.json" --write-table "$OUT/dense_table.json"
@@ -264,7 +265,7 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
   local v
   mapfile -t v < <(python3 -c "import json, sys; [print(f'--variant={k}={json.dumps(c)}') for k, c in json.load(open(sys.argv[1])).items()]" "$MOE_VARIANTS")
   run "moejson${MOE_TAG:-}" "${MOE_LIMIT:-480}" python3 benchmarks/moe_bench.py --models "${MOE_MODELS:-122B,397B,35B}" \
-    --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
+    --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" ${MOE_PROFILE:+--profile} "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
 }
 stage_moeshards() {  # the table's choice on one rank's share of tensor- / expert-parallel layers (moe_bench.py `spec`)
   run moeshards 300 python3 benchmarks/moe_bench.py --models "${MOE_SHARDS:-122B/tp2,122B/tp4,397B/tp4,397B/tp8,397B/ep8}" \

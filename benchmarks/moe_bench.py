@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rec["pct_copy"] = 100 * rec["tbps"] / ceil
                     rec["tflops"] = flops / (best * 1e-6) / 1e12
                     rec["pct_gemm"] = 100 * rec["tflops"] / args.gemm_tflops
-                    if args.profile and name == "auto":
+                    if args.profile:
                         rec["kernels_us"] = kernel_times(fns[0])
                 except Exception as ex:
                     rec["error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200] if str(ex) else ''}"
@@ -393,7 +393,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gemm-tflops", type=float, default=801.0, help="bf16 GEMM ceiling (measured 801 on H200)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants after this many seconds")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of the auto variant")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of every variant timed")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
