@@ -275,7 +275,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             xg = gather_chunks(x[c0:c1], gal.sorted_ids, gal.block_expert, top_k, gtile["bk"], adt, xsh)
             gluon_gate_up(xg, experts.w13, act, gal.sorted_ids, gal.block_expert, gtile["bn"], gtile["bk"],
                           gtile["stages"], act_perm=xmode == PERM, act_pairs=dec == 4, x_shift=xsh,
-                          num_warps=gtile["warps"])
+                          num_warps=gtile["warps"], stacked=gtile["stacked"])
         # PDL only for the first launch of each GEMM: it follows a kernel of the chain before it
         for i, (tile, al) in enumerate(zip(tiles, als) if not gtile else ()):
             moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, tile["gbn"]))](

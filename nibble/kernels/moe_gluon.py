@@ -54,16 +54,20 @@ def gluon_shapes_ok(hidden: int, inter: int, block_n: int, block_k: int, stages:
 
 def gluon_tile(cfg: dict, device: torch.device, fp16_decode: bool, hidden: int, inter: int) -> dict | None:
     """The Gluon gate_up tile a sorted-path `fused_moe` call runs instead of the Triton gate_up, from the tuning
-    fields `gluon_bm` (pairs per block, 0 or absent: off), `gluon_bn` (features, default 64), `gluon_bk` (64),
-    `gluon_stages` (3), `gluon_warps` (BN / 16); None where the table asks for none or it cannot run here (not
-    sm_90, no Gluon, fp16_decode False: no fp16 activations for the converter decode, shapes off the tile)."""
+    fields `gluon_bm` (pairs per block, 0 or absent: off), `gluon_bn` (weight rows of each of gate and up,
+    default 64; with `gluon_stacked`, of both together), `gluon_bk` (64), `gluon_stages` (3), `gluon_warps`
+    (BN / 16), `gluon_stacked` (gate and up in one accumulator); None where the table asks for none or it
+    cannot run here (not sm_90, no Gluon, fp16_decode False: no fp16 activations for the converter decode,
+    shapes off the tile)."""
     bm = int(cfg.get("gluon_bm", 0))
     if not bm or not fp16_decode or not gluon_supported(device):
         return None
     tile = {"bm": bm, "bn": int(cfg.get("gluon_bn", 64)), "bk": int(cfg.get("gluon_bk", 64)),
             "stages": int(cfg.get("gluon_stages", 3))}
     tile["warps"] = int(cfg.get("gluon_warps", tile["bn"] // 16))
-    if tile["bn"] % (16 * tile["warps"]) or not gluon_shapes_ok(hidden, inter, tile["bn"], tile["bk"], tile["stages"]):
+    tile["stacked"] = bool(cfg.get("gluon_stacked", False))
+    features = tile["bn"] // 2 if tile["stacked"] else tile["bn"]
+    if tile["bn"] % (16 * tile["warps"]) or not gluon_shapes_ok(hidden, inter, features, tile["bk"], tile["stages"]):
         return None
     return tile
 
@@ -177,6 +181,78 @@ if HAVE_GLUON:
                      act.to(gl.float16), mask=ok[None, :])
 
 
+    @gluon.jit
+    def moe_gluon_gate_up_stacked_kernel(a_desc, q_ptr, s_ptr, g_ptr, act_ptr, sorted_ptr, block_expert_ptr, hidden,
+                                         inter, stride_qe, stride_qn, stride_se, stride_sn, stride_at,
+                                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                                         WARPS: gl.constexpr, DECODE: gl.constexpr, ACT_PERM: gl.constexpr,
+                                         ACT_PAIRS: gl.constexpr, X_SHIFT: gl.constexpr):
+        """`moe_gluon_gate_up_kernel` with gate and up in ONE accumulator: tile rows 0..BN/2-1 are gate rows of
+        features off_n.., rows BN/2.. their up rows, so a program holds one [BN, BM] accumulator (half the
+        registers of two, so BM = 128 fits with room for three programs per SM) and covers BN/2 features; the
+        epilogue pairs row r with row r + BN/2 through a layout conversion (shared memory)."""
+        U: gl.constexpr = BK // 4
+        HALF: gl.constexpr = BN // 2
+        blk = gl.program_id(1)
+        e = gl.load(block_expert_ptr + blk)
+        if e >= 0:
+            acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, BM, 16])
+            w_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+            a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            off_m = blk * BM
+            off_f = gl.program_id(0) * HALF
+            n_k = hidden // BK
+            for j in gl.static_range(STAGES):
+                mbarrier.init(bars.index(j), count=1)
+            for j in gl.static_range(STAGES - 1):
+                mbarrier.expect(bars.index(j), BM * BK * 2)
+                tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], bars.index(j), a_s.index(j))
+            e64 = e.to(gl.int64)
+            r = gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+            rows = (off_f + r % HALF + (r // HALF) * inter).to(gl.int64)
+            ru = gl.arange(0, U, layout=gl.SliceLayout(0, w_l))
+            q_rows = q_ptr + e64 * stride_qe + rows[:, None] * stride_qn + ru[None, :]
+            s_rows = s_ptr + e64 * stride_se + rows[:, None] * stride_sn + (ru // 4)[None, :]
+            q = gl.load(q_rows)
+            s = gl.load(s_rows)
+            acc = gl.zeros([BN, BM], gl.float32, acc_l)
+            for i in range(n_k):
+                st = i % STAGES
+                w0, w1, w2, w3 = _decode4(q, s, DECODE)
+                mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+                acc = _mma4(w0, w1, w2, w3, a_s.index(st), acc, U)
+                more = (ru < (hidden - (i + 1) * BK) // 4)[None, :]
+                q = gl.load(q_rows + (i + 1) * U, mask=more, other=0)
+                s = gl.load(s_rows + (i + 1) * (U // 4), mask=more, other=0)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                nxt = i + STAGES - 1
+                if nxt < n_k:
+                    mbarrier.expect(bars.index(nxt % STAGES), BM * BK * 2)
+                    tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BK], bars.index(nxt % STAGES),
+                                                    a_s.index(nxt % STAGES))
+            for j in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(j))
+            acc_scale: gl.constexpr = 64.0 * (1 << X_SHIFT)
+            ra = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+            h = acc * (gl.load(g_ptr + e64 * 2 * inter + off_f + ra % HALF + (ra // HALF) * inter) * acc_scale)[:, None]
+            pair_l: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
+            h3 = gl.convert_layout(gl.permute(gl.reshape(h, [2, HALF, BM]), (1, 2, 0)), pair_l)
+            hg, hu = gl.split(h3)
+            act = hg / (1.0 + gl.exp(-hg)) * hu
+            if X_SHIFT != 0:
+                act = gl.minimum(gl.maximum(act * (1.0 / (1 << X_SHIFT)), -65504.0), 65504.0)
+            out_l: gl.constexpr = hg.type.layout
+            n = off_f + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_l))
+            m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
+            pr = gl.load(sorted_ptr + m)
+            ok = pr >= 0
+            col = _act_cols(n, inter, ACT_PERM, ACT_PAIRS)
+            gl.store(act_ptr + gl.where(ok, pr, 0).to(gl.int64)[None, :] * stride_at + col[:, None],
+                     act.to(gl.float16), mask=ok[None, :])
+
+
 @functools.lru_cache(maxsize=32)
 def _a_layout(block_m: int, block_k: int):
     return gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.float16)
@@ -185,12 +261,13 @@ def _a_layout(block_m: int, block_k: int):
 def gluon_gate_up(xg: torch.Tensor, w13: NVFP4Tensor, act: torch.Tensor, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, block_n: int = 64, block_k: int = 64, stages: int = 3,
                   act_perm: bool = False, act_pairs: bool = False, x_shift: int = F16_X_SHIFT,
-                  num_warps: int = 4) -> None:
+                  num_warps: int = 4, stacked: bool = False) -> None:
     """Fill act fp16 [pairs, I] for the pairs of an alignment (sorted_ids int32 [R], block_expert int32 [R / BM])
     from xg fp16 [R, H] (`gather_chunks(x, sorted_ids, block_expert, top_k, block_k, fp16, x_shift)`) and the
     NVFP4 experts w13 [E, 2I, H] (rows I.. are up). act_perm / act_pairs: write act in PERM-mode slices or in
     DEC 4's pairs order (what the down kernel reading it wants). Rows of act that no pair of the alignment
-    names are left alone."""
+    names are left alone. stacked: `moe_gluon_gate_up_stacked_kernel`, whose block_n weight rows are block_n / 2
+    features' gate and up rows."""
     if not HAVE_GLUON:
         raise RuntimeError("gluon_gate_up: this Triton has no Gluon with the Hopper module")
     num_experts, two_inter, hidden = w13.shape
@@ -206,7 +283,8 @@ def gluon_gate_up(xg: torch.Tensor, w13: NVFP4Tensor, act: torch.Tensor, sorted_
     if block_m * block_expert.shape[0] != r or block_m not in (16, 32, 64, 128, 256):
         raise ValueError(f"gluon_gate_up: {r} sorted entries in {block_expert.shape[0]} blocks is not a block of "
                          f"16-256 rows")
-    if not gluon_shapes_ok(hidden, inter, block_n, block_k, stages) or block_n % (16 * num_warps):
+    if (not gluon_shapes_ok(hidden, inter, block_n // 2 if stacked else block_n, block_k, stages)
+            or block_n % (16 * num_warps)):
         raise ValueError(f"gluon_gate_up: H = {hidden}, I = {inter} do not fit a {block_n}x{block_k} tile with "
                          f"{stages} stages and {num_warps} warps (16 weight rows each)")
     units = fp4_units(w13.packed)
@@ -219,7 +297,8 @@ def gluon_gate_up(xg: torch.Tensor, w13: NVFP4Tensor, act: torch.Tensor, sorted_
     desc = TensorDescriptor.from_tensor(xg, [block_m, block_k], _a_layout(block_m, block_k))
     # the feature slices of a block run side by side, so its gathered rows come from HBM once and then from L2
     # (blocks first, each block's rows were re-read once per slice: 20-90% slower than the Triton tiles)
-    moe_gluon_gate_up_kernel[(inter // block_n, block_expert.shape[0])](
+    kernel = moe_gluon_gate_up_stacked_kernel if stacked else moe_gluon_gate_up_kernel
+    kernel[(inter // (block_n // 2 if stacked else block_n), block_expert.shape[0])](
         desc, units, scales, gscale, act, sorted_ids, block_expert, hidden, inter, units.stride(0),
         units.stride(1), scales.stride(0), scales.stride(1), act.stride(0), BM=block_m, BN=block_n, BK=block_k,
         STAGES=stages, WARPS=num_warps, DECODE=DECODE_F16_CVT.value, ACT_PERM=act_perm, ACT_PAIRS=act_pairs,

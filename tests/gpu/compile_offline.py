@@ -195,7 +195,8 @@ def main() -> int:
         moe_gluon.gluon_supported = lambda _d, c=cc: c == 90 and moe_gluon.HAVE_GLUON
         if cc == 90:
             modes += [{"xmode": "perm", "block_t": 64, "gluon_bm": 64},
-                      {"xmode": "split", "block_t": 16, "gluon_bm": 128, "gluon_bn": 128}]
+                      {"xmode": "split", "block_t": 16, "gluon_bm": 128, "gluon_bn": 128},
+                      {"xmode": "split", "block_t": 16, "gluon_bm": 128, "gluon_stacked": True}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for name, experts, ek, op, dtypes, op_modes in (

@@ -52,8 +52,10 @@ def test_gather_chunks(name: str, t: int) -> None:
 
 
 @pytest.mark.parametrize("name", ["122B", "397B"])
-@pytest.mark.parametrize("block_m,block_n,warps", [(16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4), (128, 128, 8)])
-def test_gluon_gate_up(name: str, block_m: int, block_n: int, warps: int) -> None:
+@pytest.mark.parametrize("block_m,block_n,warps,stacked", [(16, 64, 4, False), (32, 64, 4, False), (64, 64, 4, False),
+                                                           (128, 64, 4, False), (128, 128, 8, False),
+                                                           (64, 64, 4, True), (128, 64, 4, True), (256, 64, 4, True)])
+def test_gluon_gate_up(name: str, block_m: int, block_n: int, warps: int, stacked: bool) -> None:
     """act of every pair against silu(gate) * up on the dequantised weights, in each order the down kernel
     reads, on NaN-poisoned buffers; a slot routed to no expert here (-1) is left alone."""
     c = config(name)
@@ -70,7 +72,7 @@ def test_gluon_gate_up(name: str, block_m: int, block_n: int, warps: int) -> Non
     for perm, pairs in ((False, False), (True, False), (False, True)):
         act = torch.full((t * k, inter), float("nan"), dtype=torch.float16, device=DEV)
         gluon_gate_up(xg, w13, act, al.sorted_ids, al.block_expert, block_n, 64, 3, act_perm=perm, act_pairs=pairs,
-                      num_warps=warps)
+                      num_warps=warps, stacked=stacked)
         got = _unorder(act, perm, pairs).float() * 2.0 ** F16_X_SHIFT
         assert rel(got[live], ref[live]) < TOL, (perm, pairs)
         assert bool(act[~live].isnan().all())
@@ -91,6 +93,7 @@ def test_fused_moe_with_gluon_gate_up(name: str, t: int) -> None:
         ref = fused_moe_ref(x.float(), w, ids, experts)
         for extra, gluon in (({"xmode": "perm", "block_t": 64}, {"gluon_bm": 64}),
                              ({"xmode": "split", "block_t": 16}, {"gluon_bm": 64}),
-                             ({"xmode": "perm", "block_t": 64}, {"gluon_bm": 128, "gluon_bn": 128})):
+                             ({"xmode": "perm", "block_t": 64}, {"gluon_bm": 128, "gluon_bn": 128}),
+                             ({"xmode": "split", "block_t": 16}, {"gluon_bm": 128, "gluon_stacked": True})):
             out = fused_moe_launch(x, w, ids, experts, path="sorted", config={**extra, **gluon})
             assert rel(out, ref) < TOL, (dtype, extra, gluon, rel(out, ref))

@@ -62,7 +62,7 @@ def test_gluon_tile_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> No
     assert gluon_tile({"gluon_bm": 0}, cpu, True, 3072, 1024) is None
     assert gluon_tile({"gluon_bm": 64}, cpu, False, 3072, 1024) is None  # fp32 or shift-decode activations
     assert gluon_tile({"gluon_bm": 128, "gluon_bn": 128}, cpu, True, 3072, 1024) == {
-        "bm": 128, "bn": 128, "bk": 64, "stages": 3, "warps": 8}
+        "bm": 128, "bn": 128, "bk": 64, "stages": 3, "warps": 8, "stacked": False}
     assert gluon_tile({"gluon_bm": 64}, cpu, True, 3072, 1000) is None  # I off the 64 features of a tile
     assert gluon_tile({"gluon_bm": 64, "gluon_bk": 128}, cpu, True, 3136, 1024) is None  # H off BK
     assert gluon_tile({"gluon_bm": 64, "gluon_warps": 8}, cpu, True, 3072, 1024) is None  # 8 warps: 128 rows
