@@ -50,7 +50,6 @@ stage_normtests() { NIBBLE_TEST_GPU=1 run normtests 200 python3 -m pytest -q tes
 stage_gdntests() { NIBBLE_TEST_GPU=1 run gdntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "gated_delta or select_kernels" -p no:cacheprovider -rf; }
 stage_countertests() { NIBBLE_TEST_GPU=1 run countertests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "nvfp4_dtypes or cuda_graph_replay or pdl_matches" -p no:cacheprovider -rf; }
 stage_w4tests() { NIBBLE_TEST_GPU=1 run w4tests 300 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "moe or nvfp4_linear" -p no:cacheprovider -rf; }
-stage_gluontests() { NIBBLE_TEST_GPU=1 run gluontests 300 python3 -m pytest -q tests/gpu/test_moe_gluon_gpu.py -p no:cacheprovider -rf; }
 stage_densetests() { NIBBLE_TEST_GPU=1 run densetests 240 python3 -m pytest -q tests/gpu/test_dense_gemv_gpu.py -p no:cacheprovider -rf; }
 stage_densegemv() {  # F.linear against the dense GEMV on every 16-bit decode projection shape; table entries from it
   run densegemv 360 python3 benchmarks/dense_gemv_bench.py --out "$OUT/dense.json" --write-table "$OUT/dense_table.json"

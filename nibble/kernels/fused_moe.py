@@ -23,9 +23,6 @@ per-pair GEMV (moe_gemv.py) and grouped GEMM (moe_gemm.py) kernels, which `gener
 select for NVFP4 (the pre-moe_w4 baseline, kept for comparison). Very large batches run in token chunks to bound
 the [pairs, H] intermediate.
 
-Tuning field `gluon_bm` (sorted path, sm_90 only, off in every table): gate_up runs as the Gluon kernel of
-moe_gluon.py on x gathered in pair order (`gather_chunks`) in blocks of `gluon_bm` pairs; down stays the table's.
-
 Measured on one H200 (benchmarks/moe_bench.py, back-to-back layers, copy ceiling 4.18-4.27 TB/s;
 docs/benchmarks.md), with the H200 table's choices, the converter decode (DEC 4 in quad and split mode), PDL
 and the L2 prefetch of down's weights: 122B-A10B layer T=1 21.6 us (first generation: 50.5), T=8 95.4 (372),
@@ -60,7 +57,6 @@ from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align, moe_align_split
 from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
-from nibble.kernels.moe_gluon import gluon_gate_up, gluon_tile
 from nibble.kernels.moe_w4 import (
     PERM,
     QUAD,
@@ -73,7 +69,7 @@ from nibble.kernels.moe_w4 import (
 from nibble.kernels.pdl import pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
-from nibble.kernels.w4_stage import gather_chunks, stage_x
+from nibble.kernels.w4_stage import stage_x
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DN_MODES = ("reduce", "fused", "token")  # the pairs path's down + top-k sum (module docstring)
@@ -255,9 +251,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
     act = torch.empty((chunk * top_k, inter), dtype=adt, device=x.device)
     y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
-    # sm_90 prefill: gate_up in Gluon (moe_gluon.py) from x gathered in pair order, where the table asks for it
-    gtile = gluon_tile(cfg, x.device, adt == torch.float16 and dec >= 3, h, inter)
-    buf = torch.empty((chunk, h), dtype=adt, device=x.device) if (xmode == PERM or staged) and not gtile else None
+    buf = torch.empty((chunk, h), dtype=adt, device=x.device) if xmode == PERM or staged else None
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         ids_c = ids[c0:c1]
@@ -270,14 +264,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         if buf is not None:
             xs = stage_x(xs, adt, xsh, permute=xmode == PERM, out=buf[:c1 - c0], pdl_trigger=pdl,
                           pairs=dec == 4)
-        if gtile:
-            gal = als[0] if len(als) == 1 and als[0].block_m == gtile["bm"] else moe_align(ids_c, e, gtile["bm"])
-            xg = gather_chunks(x[c0:c1], gal.sorted_ids, gal.block_expert, top_k, gtile["bk"], adt, xsh)
-            gluon_gate_up(xg, experts.w13, act, gal.sorted_ids, gal.block_expert, gtile["bn"], gtile["bk"],
-                          gtile["stages"], act_perm=xmode == PERM, act_pairs=dec == 4, x_shift=xsh,
-                          num_warps=gtile["warps"], stacked=gtile["stacked"])
         # PDL only for the first launch of each GEMM: it follows a kernel of the chain before it
-        for i, (tile, al) in enumerate(zip(tiles, als) if not gtile else ()):
+        for i, (tile, al) in enumerate(zip(tiles, als)):
             moe_w4_gate_up_kernel[(al.max_blocks, cdiv(inter, tile["gbn"]))](
                 xs, u13, s13, g13, act, flat, al.sorted_ids, al.block_expert, top_k, h, inter, xs.stride(0), sq13e,
                 sq13n, st13[2], st13[3], act.stride(0), SORTED=True, XMODE=tile["xmode"], ACT_PERM=xmode == PERM,

@@ -93,18 +93,7 @@ def main() -> int:
     compile_without_launch(lambda name, kernel: compiled.append((name, kernel, current["attempt"])))
 
     import nibble.kernels._triton as tri
-    from nibble.kernels import (
-        activation,
-        attention,
-        conv1d,
-        gated_delta,
-        gdn_gating,
-        moe_align,
-        moe_gluon,
-        moe_route,
-        norm,
-        rope,
-    )
+    from nibble.kernels import activation, attention, conv1d, gated_delta, gdn_gating, moe_align, moe_route, norm, rope
     from nibble.kernels import dense_gemv as dl
     from nibble.kernels import fused_moe as fm
     from nibble.kernels import nvfp4_linear as nl
@@ -191,12 +180,6 @@ def main() -> int:
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
                  {"xmode": "perm", "block_t": 64}]
-        # the Gluon gate_up (sm_90 only), where a table entry's `gluon_bm` asks for it, with both tile widths
-        moe_gluon.gluon_supported = lambda _d, c=cc: c == 90 and moe_gluon.HAVE_GLUON
-        if cc == 90:
-            modes += [{"xmode": "perm", "block_t": 64, "gluon_bm": 64},
-                      {"xmode": "split", "block_t": 16, "gluon_bm": 128, "gluon_bn": 128},
-                      {"xmode": "split", "block_t": 16, "gluon_bm": 128, "gluon_stacked": True}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for name, experts, ek, op, dtypes, op_modes in (
