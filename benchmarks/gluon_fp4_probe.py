@@ -4,6 +4,11 @@ registers into the wgmma's A operand, the activations by TMA, timed against nibb
 
     python benchmarks/gluon_fp4_probe.py [--m 2048 --n 4096 --k 4096] [--only REGEX]
 
+The grouped mode's lead (a third faster than the Triton MoE gate_up, every expert with exactly 128 rows) did not
+carry over to real routing: put into fused_moe's prefill path with the activations gathered in pair order, the
+kernel was at best even with the Triton tiles and the layers 4-43% slower (docs/benchmarks.md, thirty-eighth
+session; the code is in commit d5dfb5e).
+
 Decode, exact: code c -> the bf16 bits ((c & 7) << 6) | ((c & 8) << 12) are the e2m1 value times 2^-126 (its
 exponent and mantissa bits land in bf16's, subnormal for c & 6 == 0), so one bf16 multiply by the block scale
 times 2^63 (an e4m3 value, exact in bf16) gives the weight times 2^-63; the per-row global scale times 2^63
