@@ -276,14 +276,16 @@ stage_gluonfp4() {  # the register-operand Gluon GEMM on NVFP4 weights: dense ag
   # beside the Triton gate_up's kernel time at those token counts (--profile)
   run gluonfp4 200 python3 benchmarks/gluon_fp4_probe.py
   run gluonfp4moe 200 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 128 --n 2048 --k 3072
-  run gluonfp4dec 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 8 --n 2048 --k 3072
-  run gluonfp4dec16 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 16 --n 2048 --k 3072
+  gluon_dec_probes
   run moeprof4096 200 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512,4096 --only '^auto$' --profile \
     --out "$OUT/moeprof4096.json"
 }
-stage_gluondec() {  # the Gluon GEMM at decode sizes, weights one or two K steps ahead, beside the Triton gate_up's time
+gluon_dec_probes() {  # the grouped Gluon GEMM at 8 and 16 pairs per expert (the 122B-A10B's gate_up at 256 / 512 tokens)
   run gluonfp4dec 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 8 --n 2048 --k 3072
   run gluonfp4dec16 150 python3 benchmarks/gluon_fp4_probe.py --experts 256 --m 16 --n 2048 --k 3072
+}
+stage_gluondec() {  # the Gluon GEMM at decode sizes, weights one or two K steps ahead, beside the Triton gate_up's time
+  gluon_dec_probes
   run moeprofdec 120 python3 benchmarks/moe_bench.py --models 122B --tokens 256,512 --only '^auto$' --profile \
     --out "$OUT/moeprofdec.json"
 }
