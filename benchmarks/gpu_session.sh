@@ -378,6 +378,29 @@ stage_ncu1() {  # the T = 1 and T = 32 expert kernels in detail: stall reasons, 
       python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
   done
 }
+stage_ncudn() {  # the 122B layer's expert kernels at 128 and 256 tokens, where the H200 stays under 70% of copy bandwidth
+  # (down is half of gate_up's bytes but two-thirds of its time): DRAM, occupancy, stalls; then each kernel's time
+  local t
+  for t in 128 256; do
+    run ncudn_t$t 150 ncu --clock-control none --kernel-name regex:moe_w4 --launch-skip 0 --launch-count 8 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
+  done
+  run moeprofdn 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 96,128,192,256 --only '^auto$' --profile \
+    --out "$OUT/moeprofdn.json"
+}
+stage_alignab() {  # the table's choice with this checkout's moe_align, with $ALIGN_OLD's (an earlier moe_align.py brought
+  # along, e.g. `git show 56aee14:nibble/kernels/moe_align.py > out/moe_align_before.py`, carry out/), with this one
+  # again; per-kernel times (--profile) at $ALIGN_TOKENS of the 122B and 397B layers
+  local tag
+  NIBBLE_TEST_GPU=1 run aligntests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
+  for tag in new old new2; do
+    if [ $tag = old ]; then cp nibble/kernels/moe_align.py /tmp/align_new.py; cp "$ALIGN_OLD" nibble/kernels/moe_align.py; fi
+    run "alignab_$tag" 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens "${ALIGN_TOKENS:-32,128,256,512,1024,4096}" \
+      --only '^auto$' --profile --out "$OUT/alignab_$tag.json"
+    if [ $tag = old ]; then cp /tmp/align_new.py nibble/kernels/moe_align.py; fi
+  done
+}
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv" -p no:cacheprovider -rf; }
 stage_routelin() { NIBBLE_TEST_GPU=1 run routelin 280 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "route or nvfp4_linear or select" -p no:cacheprovider -rf --tb=short; }
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }

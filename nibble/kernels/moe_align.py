@@ -4,9 +4,13 @@ Pair p = t * top_k + j routes token t to expert topk_ids[t, j]. The pairs of eac
 contiguously in `sorted_ids`, each expert's segment starting at a multiple of BLOCK_M, so that every
 BLOCK_M-row block of the grouped GEMM belongs to one expert (`block_expert`, -1 past the end). Buffers are
 sized for the worst case (every expert hit leaves a partly filled block), so the host never needs the
-counts. Padding entries inside an expert's last block hold -1 (so one read of `sorted_ids` tells a block's
-pairs from its padding); entries past the last block are left unwritten. Order inside an expert segment
-depends on atomics, which is harmless: each pair's result lands in its own row, so outputs do not depend on it.
+counts. Every entry that holds no pair is -1, the padding inside an expert's last block in particular (so one
+read of `sorted_ids` tells a block's pairs from its padding): the buffer is filled with -1 in coalesced stores
+before the pairs are scattered into it (writing each expert's padding rows from the scan instead meant one
+scattered store per row, 10-40 us of one program at prefill sizes). Order inside an expert segment depends on
+atomics, which is harmless: each pair's result lands in its own row, so outputs do not depend on it. The
+counting atomics are relaxed: Triton's default (acq_rel) fences every one, and a thread's atomics then ran one
+after another, ~3 us per 1024 pairs of the one-program alignment.
 
 An alignment may keep only the experts whose pair count lies in [min_count, max_count]: the others get no
 blocks and their pairs are not placed, so two alignments with complementary ranges split the experts
@@ -49,13 +53,22 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
     e = tl.load(ids_ptr + offs, mask=mask, other=-1)
     mask = mask & (e >= 0)  # id -1: a slot of another expert-parallel rank, in no block
-    # the old value of the per-expert counter is this pair's rank inside its expert
-    r = tl.atomic_add(counts_ptr + e, 1, mask=mask)
+    # the old value of the per-expert counter is this pair's rank inside its expert; nothing is ordered
+    # against these atomics but by the barrier or kernel boundary after them
+    r = tl.atomic_add(counts_ptr + e, 1, mask=mask, sem="relaxed")
     tl.store(rank_ptr + offs, r, mask=mask)
 
 
 @triton.jit
-def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
+def _fill(ptr, first, n, step, value, FILL: tl.constexpr):
+    """ptr[i] = value for i in [first, n), FILL entries every `step`."""
+    f = tl.arange(0, FILL)
+    for i0 in range(first, n, step):
+        tl.store(ptr + i0 + f, tl.full([FILL], value, tl.int32), mask=i0 + f < n)
+
+
+@triton.jit
+def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count,
           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
@@ -70,13 +83,7 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks
     tl.store(start_ptr + e, tl.where(kept | (c_all == 0), start_blk * BLOCK_M, -1), mask=emask)
     for i in range(0, tl.max(nblk, axis=0)):
         tl.store(block_expert_ptr + start_blk + i, e, mask=emask & (i < nblk))
-    # -1 in each expert's padding rows: a block's pairs are then known from one read of sorted_ids
-    for i in range(0, BLOCK_M - 1):
-        tl.store(sorted_ptr + start_blk * BLOCK_M + c + i, -1, mask=emask & (c + i < nblk * BLOCK_M))
-    total = tl.sum(nblk, axis=0)
-    f = tl.arange(0, FILL)
-    for b0 in range(total, max_blocks, FILL):
-        tl.store(block_expert_ptr + b0 + f, -1, mask=b0 + f < max_blocks)
+    _fill(block_expert_ptr, tl.sum(nblk, axis=0), max_blocks, FILL, -1, FILL)
 
 
 @triton.jit
@@ -89,42 +96,46 @@ def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
 
 
 @triton.jit(do_not_specialize=["n_pairs", "max_blocks", "min_count", "max_count", "max_blocks2", "min_count2",
-                                "max_count2"])
+                                "max_count2", "n_sorted"])
 def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs,
                         n_exp, max_blocks, min_count, max_count, start2_ptr, block_expert2_ptr, sorted2_ptr,
-                        max_blocks2, min_count2, max_count2, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, FILL: tl.constexpr, TWO: tl.constexpr):
+                        max_blocks2, min_count2, max_count2, n_sorted, BLOCK_M: tl.constexpr,
+                        BLOCK_M2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, FILL: tl.constexpr,
+                        TWO: tl.constexpr):
     """Everything in one program (decode sizes); TWO: a second alignment (the *2 arguments) from the same
-    counts."""
+    counts. sorted_ptr: n_sorted entries holding both alignments' sorted_ids (sorted2_ptr points into them)."""
     e = tl.arange(0, BLOCK_E)
     tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < n_exp)
+    _fill(sorted_ptr, 0, n_sorted, FILL, -1, FILL)
     tl.debug_barrier()
     offs = tl.arange(0, BLOCK_P)
     mask = offs < n_pairs
     _count(ids_ptr, counts_ptr, rank_ptr, offs, mask)
     tl.debug_barrier()
-    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M,
-          BLOCK_E, FILL)
+    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M, BLOCK_E, FILL)
     if TWO:
-        _scan(counts_ptr, start2_ptr, block_expert2_ptr, sorted2_ptr, n_exp, max_blocks2, min_count2, max_count2,
-              BLOCK_M2, BLOCK_E, FILL)
+        _scan(counts_ptr, start2_ptr, block_expert2_ptr, n_exp, max_blocks2, min_count2, max_count2, BLOCK_M2,
+              BLOCK_E, FILL)
     tl.debug_barrier()
     _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
     if TWO:
         _scatter(ids_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask)
 
 
-@triton.jit(do_not_specialize=["n_pairs"])
-def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n_pairs, BLOCK_P: tl.constexpr):
+@triton.jit(do_not_specialize=["n_pairs", "n_sorted"])
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, n_pairs, n_sorted, BLOCK_P: tl.constexpr,
+                  FILL: tl.constexpr):
+    """Counts and ranks of BLOCK_P pairs; the programs also fill the n_sorted entries of sorted_ptr (every
+    alignment's sorted_ids) with -1, in turns of FILL entries."""
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     _count(ids_ptr, counts_ptr, rank_ptr, offs, offs < n_pairs)
+    _fill(sorted_ptr, tl.program_id(0) * FILL, n_sorted, tl.num_programs(0) * FILL, -1, FILL)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "min_count", "max_count"])
-def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count,
+def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
-    _scan(counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M,
-          BLOCK_E, FILL)
+    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M, BLOCK_E, FILL)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -133,21 +144,24 @@ def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: 
     _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)
 
 
-def _buffers(n_pairs: int, num_experts: int, block_m: int, dev: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if block_m & (block_m - 1):
-        raise ValueError(f"moe_align: block_m {block_m} is not a power of two")
-    max_padded = max_padded_pairs(n_pairs, num_experts, block_m)
-    return (torch.empty(max_padded, dtype=torch.int32, device=dev),
-            torch.empty(max_padded // block_m, dtype=torch.int32, device=dev),
-            torch.empty(num_experts, dtype=torch.int32, device=dev))
+def _buffers(n_pairs: int, num_experts: int, block_ms: list[int], dev: torch.device
+             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """(all sorted_ids in one buffer, [(sorted_ids view, block_expert, start)] per block size)."""
+    for bm in block_ms:
+        if bm & (bm - 1):
+            raise ValueError(f"moe_align: block_m {bm} is not a power of two")
+    sizes = [max_padded_pairs(n_pairs, num_experts, bm) for bm in block_ms]
+    sorted_all = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+    return sorted_all, [(ids, torch.empty(size // bm, dtype=torch.int32, device=dev),
+                         torch.empty(num_experts, dtype=torch.int32, device=dev))
+                        for ids, size, bm in zip(sorted_all.split(sizes), sizes, block_ms)]
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, min_count: int = 1,
               max_count: int | None = None) -> MoEAlignment:
     """topk_ids: int32 [T, k] (contiguous) -> MoEAlignment of the experts with min_count..max_count pairs
     (default: every expert with pairs). One single-program launch for up to SMALL_PAIRS pairs (decode),
-    otherwise a zeroing memset and three kernels (count with atomics, scan, scatter)."""
+    otherwise a zeroing memset and three kernels (count with atomics and the -1 fill, scan, scatter)."""
     return _align(topk_ids, num_experts, [(block_m, min_count, max_count)])[0]
 
 
@@ -167,7 +181,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int,
     dev = topk_ids.device
     n_pairs = topk_ids.numel()
     ranges = [(max(1, lo), n_pairs if hi is None else min(hi, n_pairs)) for _, lo, hi in specs]
-    bufs = [_buffers(n_pairs, num_experts, bm, dev) for bm, _, _ in specs]
+    sorted_all, bufs = _buffers(n_pairs, num_experts, [bm for bm, _, _ in specs], dev)
     rank = torch.empty(n_pairs, dtype=torch.int32, device=dev)
     block_e = next_pow2(num_experts)
     fill = 1024
@@ -178,17 +192,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int,
         (sorted2, block_expert2, start2), (lo2, hi2) = (bufs[1], ranges[1]) if two else (bufs[0], ranges[0])
         _align_small_kernel[(1,)](
             topk_ids, counts, rank, start, block_expert, sorted_ids, n_pairs, num_experts, block_expert.shape[0], lo,
-            hi, start2, block_expert2, sorted2, block_expert2.shape[0], lo2, hi2, BLOCK_M=specs[0][0],
-            BLOCK_M2=specs[-1][0], BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)), FILL=fill, TWO=two,
-            num_warps=8)
+            hi, start2, block_expert2, sorted2, block_expert2.shape[0], lo2, hi2, sorted_all.numel(),
+            BLOCK_M=specs[0][0], BLOCK_M2=specs[-1][0], BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)),
+            FILL=fill, TWO=two, num_warps=8)
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         block_p = 1024
         grid = (cdiv(n_pairs, block_p),)
-        _count_kernel[grid](topk_ids, counts, rank, n_pairs, BLOCK_P=block_p, num_warps=4)
+        _count_kernel[grid](topk_ids, counts, rank, sorted_all, n_pairs, sorted_all.numel(), BLOCK_P=block_p,
+                            FILL=fill, num_warps=4)
         for (bm, _, _), (sorted_ids, block_expert, start), (lo, hi) in zip(specs, bufs, ranges):
-            _scan_kernel[(1,)](counts, start, block_expert, sorted_ids, num_experts, block_expert.shape[0], lo, hi,
-                               BLOCK_M=bm, BLOCK_E=block_e, FILL=fill, num_warps=4)
+            _scan_kernel[(1,)](counts, start, block_expert, num_experts, block_expert.shape[0], lo, hi, BLOCK_M=bm,
+                               BLOCK_E=block_e, FILL=fill, num_warps=4)
             _scatter_kernel[grid](topk_ids, rank, start, sorted_ids, n_pairs, BLOCK_P=block_p, num_warps=4)
     return [MoEAlignment(sorted_ids, block_expert, start, counts, bm)
             for (bm, _, _), (sorted_ids, block_expert, start) in zip(specs, bufs)]

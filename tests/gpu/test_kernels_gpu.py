@@ -49,6 +49,7 @@ from nibble.kernels.gated_delta import (  # noqa: E402
 )
 from nibble.kernels.gdn_gating import gdn_gating, gdn_gating_ref  # noqa: E402
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters  # noqa: E402
+from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split  # noqa: E402
 from nibble.kernels.moe_route import route  # noqa: E402
 from nibble.kernels.norm import (  # noqa: E402
     gated_rms_norm,
@@ -65,6 +66,7 @@ from nibble.kernels.pdl import pdl_supported  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
+from tests.helpers.moe_align_check import assert_alignment_matches  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -397,6 +399,24 @@ def test_route(name: str) -> None:
     picked, picked_ref = logits.gather(1, ids.long()), logits.gather(1, ids_ref.long())
     assert torch.allclose(picked, picked_ref, rtol=0, atol=1e-5)
     assert int((ids != ids_ref).sum()) <= 4 and rel(w, w_ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 37, 256, 409, 600, 4096])
+def test_align_matches_ref(name: str, t: int) -> None:
+    """The one-program alignment (up to 4096 pairs) and the multi-program one, single and split in two by pair
+    count, on fresh routings (some slots of another rank) each time: its relaxed counting atomics and the -1
+    fill before the scatter must leave the same blocks and segments as the reference, every time."""
+    c = config(name)
+    e, k = c.num_experts, c.num_experts_per_tok
+    for _ in range(4):
+        _, ids = route_ref(torch.randn(t, e, device=DEV), k)
+        ids[torch.rand(t, k, device=DEV) < 0.05] = -1
+        for bm in (16, 64):
+            assert_alignment_matches(moe_align(ids, e, bm), moe_align_ref(ids, e, bm))
+        for al, ref in zip(moe_align_split(ids, e, 4, 16, 4), (moe_align_ref(ids, e, 4, 1, 4),
+                                                                moe_align_ref(ids, e, 16, 5))):
+            assert_alignment_matches(al, ref)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
