@@ -391,13 +391,13 @@ stage_ncudn() {  # the 122B layer's expert kernels at 128 and 256 tokens, where 
 }
 stage_alignab() {  # the table's choice with this checkout's moe_align, with $ALIGN_OLD's (an earlier moe_align.py brought
   # along, e.g. `git show 56aee14:nibble/kernels/moe_align.py > out/moe_align_before.py`, carry out/), with this one
-  # again; per-kernel times (--profile) at $ALIGN_TOKENS of the 122B and 397B layers
+  # again; per-kernel times (--profile) at $ALIGN_TOKENS of the 122B and 397B layers; file names tagged $ALIGN_TAG
   local tag
-  NIBBLE_TEST_GPU=1 run aligntests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
+  NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
   for tag in new old new2; do
     if [ $tag = old ]; then cp nibble/kernels/moe_align.py /tmp/align_new.py; cp "$ALIGN_OLD" nibble/kernels/moe_align.py; fi
-    run "alignab_$tag" 200 python3 benchmarks/moe_bench.py --models 122B,397B --tokens "${ALIGN_TOKENS:-32,128,256,512,1024,4096}" \
-      --only '^auto$' --profile --out "$OUT/alignab_$tag.json"
+    run "alignab${ALIGN_TAG:-}_$tag" 200 python3 benchmarks/moe_bench.py --models 122B,397B \
+      --tokens "${ALIGN_TOKENS:-32,128,256,512,1024,4096}" --only '^auto$' --profile --out "$OUT/alignab${ALIGN_TAG:-}_$tag.json"
     if [ $tag = old ]; then cp /tmp/align_new.py nibble/kernels/moe_align.py; fi
   done
 }

@@ -50,13 +50,18 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _count(ids_ptr, counts_ptr, rank_ptr, offs, mask):
+def _experts(ids_ptr, offs, mask):
+    """(expert [BLOCK_P], live [BLOCK_P]) of pairs offs: id -1 is a slot of another expert-parallel rank, in
+    no block."""
     e = tl.load(ids_ptr + offs, mask=mask, other=-1)
-    mask = mask & (e >= 0)  # id -1: a slot of another expert-parallel rank, in no block
-    # the old value of the per-expert counter is this pair's rank inside its expert; nothing is ordered
-    # against these atomics but by the barrier or kernel boundary after them
-    r = tl.atomic_add(counts_ptr + e, 1, mask=mask, sem="relaxed")
-    tl.store(rank_ptr + offs, r, mask=mask)
+    return e, mask & (e >= 0)
+
+
+@triton.jit
+def _rank(counts_ptr, e, live):
+    """Rank [BLOCK_P] of each live pair inside its expert: the old value of the expert's counter. Nothing is
+    ordered against these atomics but by the barrier or kernel boundary after them."""
+    return tl.atomic_add(counts_ptr + e, 1, mask=live, sem="relaxed")
 
 
 @triton.jit
@@ -68,18 +73,24 @@ def _fill(ptr, first, n, step, value, FILL: tl.constexpr):
 
 
 @triton.jit
-def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count,
-          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+def _load_counts(counts_ptr, n_exp, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
+    return tl.load(counts_ptr + e, mask=e < n_exp, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _scan(c_all, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M: tl.constexpr,
+          BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    """Starts and block experts of one alignment from the pair counts c_all [BLOCK_E]."""
     e = tl.arange(0, BLOCK_E)
     emask = e < n_exp
-    # .cg: the counts were just written by atomics in L2 (L1 could hold nothing fresher)
-    c_all = tl.load(counts_ptr + e, mask=emask, other=0, cache_modifier=".cg")
     kept = (c_all >= min_count) & (c_all <= max_count)
     c = tl.where(kept, c_all, 0)
     nblk = tl.cdiv(c, BLOCK_M)
     end_blk = tl.cumsum(nblk, axis=0)
     start_blk = end_blk - nblk
-    # start -1: an expert with pairs outside the count range, whose pairs `_scatter` then does not place
+    # start -1: an expert with pairs outside the count range, whose pairs `_place` then does not place
     tl.store(start_ptr + e, tl.where(kept | (c_all == 0), start_blk * BLOCK_M, -1), mask=emask)
     for i in range(0, tl.max(nblk, axis=0)):
         tl.store(block_expert_ptr + start_blk + i, e, mask=emask & (i < nblk))
@@ -87,39 +98,38 @@ def _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count,
 
 
 @triton.jit
-def _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask):
-    e = tl.load(ids_ptr + offs, mask=mask, other=-1)
-    mask = mask & (e >= 0)
-    r = tl.load(rank_ptr + offs, mask=mask, other=0)
-    s = tl.load(start_ptr + e, mask=mask, other=0, cache_modifier=".cg")
-    tl.store(sorted_ptr + s + r, offs, mask=mask & (s >= 0))
+def _place(start_ptr, sorted_ptr, e, r, offs, live):
+    """sorted_ids[start[e] + r] = pair offs, for the live pairs of experts the alignment keeps."""
+    s = tl.load(start_ptr + e, mask=live, other=-1, cache_modifier=".cg")
+    tl.store(sorted_ptr + s + r, offs, mask=live & (s >= 0))
 
 
 @triton.jit(do_not_specialize=["n_pairs", "max_blocks", "min_count", "max_count", "max_blocks2", "min_count2",
                                 "max_count2", "n_sorted"])
-def _align_small_kernel(ids_ptr, counts_ptr, rank_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs,
-                        n_exp, max_blocks, min_count, max_count, start2_ptr, block_expert2_ptr, sorted2_ptr,
-                        max_blocks2, min_count2, max_count2, n_sorted, BLOCK_M: tl.constexpr,
-                        BLOCK_M2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, FILL: tl.constexpr,
-                        TWO: tl.constexpr):
+def _align_small_kernel(ids_ptr, counts_ptr, start_ptr, block_expert_ptr, sorted_ptr, n_pairs, n_exp, max_blocks,
+                        min_count, max_count, start2_ptr, block_expert2_ptr, sorted2_ptr, max_blocks2, min_count2,
+                        max_count2, n_sorted, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_P: tl.constexpr, FILL: tl.constexpr, TWO: tl.constexpr):
     """Everything in one program (decode sizes); TWO: a second alignment (the *2 arguments) from the same
-    counts. sorted_ptr: n_sorted entries holding both alignments' sorted_ids (sorted2_ptr points into them)."""
-    e = tl.arange(0, BLOCK_E)
-    tl.store(counts_ptr + e, tl.zeros([BLOCK_E], tl.int32), mask=e < n_exp)
+    counts. sorted_ptr: n_sorted entries holding both alignments' sorted_ids (sorted2_ptr points into them).
+    Each pair's expert and rank stay in registers from the count to the placing: no rank buffer, no reloads."""
+    offs = tl.arange(0, BLOCK_P)
+    e, live = _experts(ids_ptr, offs, offs < n_pairs)
+    ex = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + ex, tl.zeros([BLOCK_E], tl.int32), mask=ex < n_exp)
     _fill(sorted_ptr, 0, n_sorted, FILL, -1, FILL)
     tl.debug_barrier()
-    offs = tl.arange(0, BLOCK_P)
-    mask = offs < n_pairs
-    _count(ids_ptr, counts_ptr, rank_ptr, offs, mask)
+    r = _rank(counts_ptr, e, live)
     tl.debug_barrier()
-    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M, BLOCK_E, FILL)
+    c_all = _load_counts(counts_ptr, n_exp, BLOCK_E)
+    _scan(c_all, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M, BLOCK_E, FILL)
     if TWO:
-        _scan(counts_ptr, start2_ptr, block_expert2_ptr, n_exp, max_blocks2, min_count2, max_count2, BLOCK_M2,
-              BLOCK_E, FILL)
+        _scan(c_all, start2_ptr, block_expert2_ptr, n_exp, max_blocks2, min_count2, max_count2, BLOCK_M2, BLOCK_E,
+              FILL)
     tl.debug_barrier()
-    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, mask)
+    _place(start_ptr, sorted_ptr, e, r, offs, live)
     if TWO:
-        _scatter(ids_ptr, rank_ptr, start2_ptr, sorted2_ptr, offs, mask)
+        _place(start2_ptr, sorted2_ptr, e, r, offs, live)
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_sorted"])
@@ -128,20 +138,23 @@ def _count_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, n_pairs, n_sorted, 
     """Counts and ranks of BLOCK_P pairs; the programs also fill the n_sorted entries of sorted_ptr (every
     alignment's sorted_ids) with -1, in turns of FILL entries."""
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    _count(ids_ptr, counts_ptr, rank_ptr, offs, offs < n_pairs)
+    e, live = _experts(ids_ptr, offs, offs < n_pairs)
+    tl.store(rank_ptr + offs, _rank(counts_ptr, e, live), mask=live)
     _fill(sorted_ptr, tl.program_id(0) * FILL, n_sorted, tl.num_programs(0) * FILL, -1, FILL)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "min_count", "max_count"])
 def _scan_kernel(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
-    _scan(counts_ptr, start_ptr, block_expert_ptr, n_exp, max_blocks, min_count, max_count, BLOCK_M, BLOCK_E, FILL)
+    _scan(_load_counts(counts_ptr, n_exp, BLOCK_E), start_ptr, block_expert_ptr, n_exp, max_blocks, min_count,
+          max_count, BLOCK_M, BLOCK_E, FILL)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n_pairs, BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    _scatter(ids_ptr, rank_ptr, start_ptr, sorted_ptr, offs, offs < n_pairs)
+    e, live = _experts(ids_ptr, offs, offs < n_pairs)
+    _place(start_ptr, sorted_ptr, e, tl.load(rank_ptr + offs, mask=live, other=0), offs, live)
 
 
 def _buffers(n_pairs: int, num_experts: int, block_ms: list[int], dev: torch.device
@@ -182,7 +195,6 @@ def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int,
     n_pairs = topk_ids.numel()
     ranges = [(max(1, lo), n_pairs if hi is None else min(hi, n_pairs)) for _, lo, hi in specs]
     sorted_all, bufs = _buffers(n_pairs, num_experts, [bm for bm, _, _ in specs], dev)
-    rank = torch.empty(n_pairs, dtype=torch.int32, device=dev)
     block_e = next_pow2(num_experts)
     fill = 1024
     if n_pairs <= SMALL_PAIRS:
@@ -191,12 +203,13 @@ def _align(topk_ids: torch.Tensor, num_experts: int, specs: list[tuple[int, int,
         two = len(specs) == 2
         (sorted2, block_expert2, start2), (lo2, hi2) = (bufs[1], ranges[1]) if two else (bufs[0], ranges[0])
         _align_small_kernel[(1,)](
-            topk_ids, counts, rank, start, block_expert, sorted_ids, n_pairs, num_experts, block_expert.shape[0], lo,
-            hi, start2, block_expert2, sorted2, block_expert2.shape[0], lo2, hi2, sorted_all.numel(),
+            topk_ids, counts, start, block_expert, sorted_ids, n_pairs, num_experts, block_expert.shape[0], lo, hi,
+            start2, block_expert2, sorted2, block_expert2.shape[0], lo2, hi2, sorted_all.numel(),
             BLOCK_M=specs[0][0], BLOCK_M2=specs[-1][0], BLOCK_E=block_e, BLOCK_P=next_pow2(max(n_pairs, 16)),
             FILL=fill, TWO=two, num_warps=8)
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        rank = torch.empty(n_pairs, dtype=torch.int32, device=dev)
         block_p = 1024
         grid = (cdiv(n_pairs, block_p),)
         _count_kernel[grid](topk_ids, counts, rank, sorted_all, n_pairs, sorted_all.numel(), BLOCK_P=block_p,
