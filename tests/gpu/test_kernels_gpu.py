@@ -404,7 +404,7 @@ def test_route(name: str) -> None:
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("t", [1, 37, 256, 409, 600, 4096])
 def test_align_matches_ref(name: str, t: int) -> None:
-    """The one-program alignment (up to 4096 pairs) and the multi-program one, single and split in two by pair
+    """The one-program alignment (up to `SMALL_PAIRS` pairs) and the multi-program one, single and split in two by pair
     count, on fresh routings (some slots of another rank) each time: its relaxed counting atomics and the -1
     fill before the scatter must leave the same blocks and segments as the reference, every time."""
     c = config(name)
