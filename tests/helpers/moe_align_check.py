@@ -7,8 +7,8 @@ from nibble.kernels.moe_align import MoEAlignment
 
 
 def assert_alignment_matches(al: MoEAlignment, ref: MoEAlignment) -> None:
-    """Counts, starts and blocks equal; each kept expert's segment (its blocks, padding included) holds the same
-    entries; every entry holding no pair, past the last block too, is -1."""
+    """Counts, starts and blocks equal; each kept expert's segment holds its pairs first (in any order), then -1
+    up to its last block's end; every other entry, past the last block too, is -1."""
     assert al.block_m == ref.block_m
     assert al.sorted_ids.shape == ref.sorted_ids.shape and al.block_expert.shape == ref.block_expert.shape
     assert al.expert_count.tolist() == ref.expert_count.tolist()
@@ -16,11 +16,10 @@ def assert_alignment_matches(al: MoEAlignment, ref: MoEAlignment) -> None:
     assert al.block_expert.tolist() == ref.block_expert.tolist()
     got, want = al.sorted_ids.tolist(), ref.sorted_ids.tolist()
     blocks = ref.block_expert.tolist()
-    for b0 in range(len(blocks)):
-        if blocks[b0] >= 0 and (b0 == 0 or blocks[b0 - 1] != blocks[b0]):
-            b1 = b0
-            while b1 < len(blocks) and blocks[b1] == blocks[b0]:
-                b1 += 1
-            seg = slice(b0 * ref.block_m, b1 * ref.block_m)
-            assert sorted(got[seg]) == sorted(want[seg]), f"expert {blocks[b0]}"
+    for e, (s, c) in enumerate(zip(ref.expert_start.tolist(), ref.expert_count.tolist())):
+        end = s + blocks.count(e) * ref.block_m
+        if s < 0 or end == s:
+            continue
+        assert sorted(got[s:s + c]) == sorted(want[s:s + c]), f"expert {e}: pairs"
+        assert got[s + c:end] == [-1] * (end - s - c), f"expert {e}: padding"
     assert sorted(got) == sorted(want)
