@@ -389,11 +389,14 @@ stage_ncudn() {  # the 122B layer's expert kernels at 128 and 256 tokens, where 
   run moeprofdn 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 96,128,192,256 --only '^auto$' --profile \
     --out "$OUT/moeprofdn.json"
 }
+stage_aligntests() {
+  NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
+}
 stage_alignab() {  # the table's choice with this checkout's moe_align, with $ALIGN_OLD's (an earlier moe_align.py brought
   # along, e.g. `git show 56aee14:nibble/kernels/moe_align.py > out/moe_align_before.py`, carry out/), with this one
   # again; per-kernel times (--profile) at $ALIGN_TOKENS of the 122B and 397B layers; file names tagged $ALIGN_TAG
   local tag
-  NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
+  stage_aligntests
   for tag in new old new2; do
     if [ $tag = old ]; then cp nibble/kernels/moe_align.py /tmp/align_new.py; cp "$ALIGN_OLD" nibble/kernels/moe_align.py; fi
     run "alignab${ALIGN_TAG:-}_$tag" 200 python3 benchmarks/moe_bench.py --models 122B,397B \
