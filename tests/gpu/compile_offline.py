@@ -4,9 +4,13 @@ per kernel. Catches GPU-only compile errors and shared-memory overflows before s
 
     python tests/gpu/compile_offline.py 90 80 100     # compute capabilities (default 90)
     python tests/gpu/compile_offline.py 90 --ptxas    # also list the kernels whose wgmma ptxas serialises
+    python tests/gpu/compile_offline.py 90 --sass     # also list GPU-scope barriers and local-memory spills
 
 `--ptxas` (sm_90 only) runs Triton's ptxas with -v on each distinct kernel and lists those it reports as
 serialising their wgmma (advisory C7515: every Hopper MMA waited for; the MoE down kernel had it once).
+`--sass` reads each distinct kernel's SASS (nvdisasm) and lists those with GPU-scope barriers (Triton's atomics
+default to acq_rel and fence every one: the MoE alignment's counting atomics ran one after another so) or
+local-memory spills (LDL/STL), with the launch that first compiled them.
 
 Relies on Triton internals (a stand-in driver and `JITFunction.run(warmup=True)`), checked with Triton
 3.7; TRITON_INTERPRET must be unset.
@@ -85,7 +89,8 @@ def main() -> int:
     from triton.runtime import driver
 
     scan_ptxas = "--ptxas" in sys.argv[1:]
-    ccs = [int(a) for a in sys.argv[1:] if a != "--ptxas"] or [90]
+    scan_sass = "--sass" in sys.argv[1:]
+    ccs = [int(a) for a in sys.argv[1:] if a not in ("--ptxas", "--sass")] or [90]
     target = StandInDriver(ccs[0])
     driver.set_active(target)
     compiled: list[tuple[str, object, str]] = []  # (kernel name, compiled kernel, the `attempt` that launched it)
@@ -238,6 +243,8 @@ def main() -> int:
                   + ("  OVER LIMIT" if over else ""))
         if scan_ptxas and cc == 90:
             _scan_ptxas(compiled[start:])
+        if scan_sass:
+            _scan_sass(compiled[start:])
     print(f"\n{len(errors)} errors")
     for name, err in errors:
         print(f"  {name}: {err}")
@@ -267,6 +274,33 @@ def _scan_ptxas(kernels: list[tuple[str, object, str]]) -> None:
             if "C7515" in res.stdout + res.stderr:
                 hits.append(f"  {name}  (first compiled by: {label})")
     print(f"\nptxas: {len(seen)} distinct wgmma kernels, {len(hits)} with serialised wgmma (C7515)")
+    print("\n".join(hits))
+
+
+def _scan_sass(kernels: list[tuple[str, object, str]]) -> None:
+    """Print each distinct kernel whose SASS holds GPU- or system-scope memory barriers (MEMBAR.*GPU / SYS; the
+    CTA-scope ones that order shared memory for wgmma and TMA are left out) or local-memory spills (LDL, STL),
+    with the counts, the first launch that compiled it and how many launches did."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    found: dict[int, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        for name, kernel, label in kernels:
+            if id(kernel) not in found:
+                cubin.write_bytes(kernel.asm["cubin"])
+                sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout
+                counts = (len(re.findall(r"MEMBAR\.\S*(?:GPU|SYS)", sass)), sass.count("LDL"), sass.count("STL"))
+                found[id(kernel)] = [name, counts, label, 0]
+            found[id(kernel)][3] += 1
+    hits = [f"  {name}: MEMBAR.GPU/SYS {m} LDL {ldl} STL {stl}, {n} launches, first: {label}"
+            for name, (m, ldl, stl), label, n in found.values() if m or ldl or stl]
+    print(f"\nSASS: {len(found)} distinct kernels, {len(hits)} with GPU-scope barriers or spills")
     print("\n".join(hits))
 
 
