@@ -1,8 +1,9 @@
 """Paged-attention prefill on one GPU at the Qwen3.5 full-attention shapes (head_dim 256, 2 KV heads; 32 query
 heads for the 122B/397B, 16 for the 35B): a chunk of query tokens after a cached context, BF16 and FP8 caches.
 
-For each case: the tuning table's tile, every tile of --sweep (optionally without the unmasked loop over the
-tiles below the diagonal, `causal_split` 0), and with --baseline FILE the same kernel from an
+For each case: the tuning table's tile, with --fp8-gather for FP8 caches that tile through the 16-bit scratch
+cache and with the conversion in the kernel (`kv_gather.py`), every tile of --sweep (optionally without the
+unmasked loop over the tiles below the diagonal, `causal_split` 0), and with --baseline FILE the same kernel from an
 older copy of nibble/kernels/paged_attention.py (an A/B within one run). Each output is compared with the
 table's tile (and, for the smallest case, with `paged_attention_ref`); a mismatch is printed BAD and its time is
 not kept. Rates count the causal attention FLOPs: 4 * heads * head_dim * q_len * (ctx + q_len / 2).
@@ -128,6 +129,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-prefill", action="store_true", help="decode and verify cases only")
+    ap.add_argument("--no-decode", action="store_true", help="prefill cases only")
+    ap.add_argument("--cases", default=None, help="prefill cases as q_len:ctx, comma-separated (default: "
+                    + ",".join(f"{a}:{b}" for a, b in CASES) + ")")
+    ap.add_argument("--fp8-gather", action="store_true",
+                    help="FP8 cases also with the table's tile through the 16-bit scratch cache (fp8_gather on) "
+                         "and converting in the kernel (off)")
     args = ap.parse_args()
     base = _load(args.baseline) if args.baseline else None
     tiles = []
@@ -136,7 +143,8 @@ def main() -> None:
         tile.setdefault("causal_split", 1)
         tiles.append(tile)
     rows = []
-    cases = () if args.no_prefill else CASES
+    cases = CASES if args.cases is None else [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
+    cases = () if args.no_prefill else cases
     for model, kv_dtype, (q_len, ctx) in itertools.product(args.models.split(","),
                                                             (torch.bfloat16, torch.float8_e4m3fn), cases):
         hq = SHAPES[model]
@@ -151,6 +159,9 @@ def main() -> None:
         variants: list[tuple[str, Any, dict]] = [("table", pa.paged_attention_launch, {})]
         if base is not None:
             variants.append(("baseline", base.paged_attention_launch, {}))
+        if args.fp8_gather and kv_dtype == torch.float8_e4m3fn:
+            variants += [("gather", pa.paged_attention_launch, {"fp8_gather": True}),
+                         ("direct", pa.paged_attention_launch, {"fp8_gather": False})]
         variants += [("sweep", pa.paged_attention_launch, t) for t in tiles]
         tag = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"
         for name, fn, cfg in variants:
@@ -169,7 +180,8 @@ def main() -> None:
                   f"{row['tflops']:6.1f} TFLOP/s err {err:.1e}{' BAD' if bad else ''}", flush=True)
         del q, kc, vc
         torch.cuda.empty_cache()
-    rows += _decode_cases(args, base)
+    if not args.no_decode:
+        rows += _decode_cases(args, base)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

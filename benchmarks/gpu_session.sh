@@ -266,6 +266,7 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
   run "moejson${MOE_TAG:-}" "${MOE_LIMIT:-480}" python3 benchmarks/moe_bench.py --models "${MOE_MODELS:-122B,397B,35B}" \
     --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" ${MOE_PROFILE:+--profile} "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
 }
+stage_moejsonb() { MOE_TAG=b stage_moejson; }  # the same again, into moejsonb.*
 stage_moeshards() {  # the table's choice on one rank's share of tensor- / expert-parallel layers (moe_bench.py `spec`)
   run moeshards 300 python3 benchmarks/moe_bench.py --models "${MOE_SHARDS:-122B/tp2,122B/tp4,397B/tp4,397B/tp8,397B/ep8}" \
     --tokens "${MOE_TOKENS:-1,4,16,64,256,1024,4096}" --only '^auto$' --out "$OUT/moeshards.json"
@@ -509,6 +510,10 @@ stage_longctx() {  # YaRN past the pretraining length: a 300k-token prompt on th
 attn_baseline() { [ -f .bench_assets/paged_attention_old.py ] && echo "--baseline .bench_assets/paged_attention_old.py"; }
 stage_attnprefill() {  # paged-attention prefill tiles at the 122B / 35B shapes
   run attnprefill 420 python3 benchmarks/attention_prefill_bench.py $(attn_baseline) --out "$OUT/attnprefill.json"
+}
+stage_attngather() {  # FP8 prefills through the 16-bit scratch cache (fp8_gather) and converting in the kernel
+  run attngather 300 python3 benchmarks/attention_prefill_bench.py --models 122B,35B --sweep "" --no-decode --fp8-gather \
+    --cases "${ATTN_CASES:-512:0,1024:0,2048:0,8192:0,256:32768,1024:16384,2048:30720,8192:57344}" --out "$OUT/attngather.json"
 }
 stage_attndecode() {  # the table's prefill tile against the old kernel, and decode / verify with and without the unmasked loop
   run attndecode 300 python3 benchmarks/attention_prefill_bench.py $(attn_baseline) --sweep "" --out "$OUT/attndecode.json"

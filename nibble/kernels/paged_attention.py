@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import cdiv, dot_precision, e4m3_to_f32, fp8_native, next_pow2, sm_count, tl, triton
+from nibble.kernels.kv_gather import GATHER_MAX_BYTES, gather_kv_pages, scratch_bytes
 from nibble.kernels.tuning_tables import lookup
 
 LOG2E = 1.4426950408889634
@@ -95,7 +96,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
                        BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
                        FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-                       EVEN_D: tl.constexpr, CAUSAL_SPLIT: tl.constexpr):
+                       EVEN_D: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, F16_DOTS: tl.constexpr):
     ROWS: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
     seq = pid // n_qblk
@@ -122,10 +123,11 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cu_ptr, l
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)
     cdt = q.dtype
-    if KV_FP8 and FP8_NATIVE and cdt == tl.bfloat16:
-        # FP8 cache: the dots run in fp16, into which e4m3 converts in one instruction per pair (bf16 takes
-        # a detour through fp32); e4m3 values and the probabilities are exact or finer in fp16, and q has
-        # 3 more mantissa bits than in bf16 (it overflows only beyond 65504, far outside normed queries)
+    if F16_DOTS:
+        # FP8 cache (or its fp16 scratch, kv_gather.py) with bf16 queries: the dots run in fp16, into which
+        # e4m3 converts in one instruction per pair (bf16 takes a detour through fp32); e4m3 values and the
+        # probabilities are exact or finer in fp16, and q has 3 more mantissa bits than in bf16 (it
+        # overflows only beyond 65504, far outside normed queries)
         cdt = tl.float16
         q = q.to(cdt)
 
@@ -216,6 +218,10 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seq
         raise ValueError("paged_attention: tensors on different devices")
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def num_decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       min_chunk: int, max_splits: int, q_blocks: int = 1) -> int:
     """Split-KV factor for a decode or verify step of `num_seqs * q_blocks * num_kv_heads` programs per
@@ -282,6 +288,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         splits = 1
     native = fp8_native(q.device)
+    f16_dots = q.dtype == torch.bfloat16 and kv_fp8 and native
+    # not while a CUDA graph captures: its scratch would stay allocated in the graph's memory pool
+    if kv_fp8 and not split_kv and cfg.get("fp8_gather", False) and not _capturing(q):
+        dt = torch.float16 if f16_dots else q.dtype
+        if scratch_bytes(b, max_seq_len, k_cache, dt) <= GATHER_MAX_BYTES:
+            k_cache, v_cache, block_table = gather_kv_pages(k_cache, v_cache, block_table, seq_lens, max_seq_len, dt)
+            kv_fp8 = False
     kc = k_cache.view(torch.uint8) if kv_fp8 and not native else k_cache
     vc = v_cache.view(torch.uint8) if kv_fp8 and not native else v_cache
     if splits > 1:
@@ -297,7 +310,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po.stride(1) if splits > 1 else 0, po.stride(2) if splits > 1 else 0, block_table.stride(0),
         BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, PAGE=k_cache.shape[1],
         KV_FP8=kv_fp8, FP8_NATIVE=native, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype), EVEN_D=block_d == hd,
-        CAUSAL_SPLIT=bool(cfg.get("causal_split", True)),
+        CAUSAL_SPLIT=bool(cfg.get("causal_split", True)), F16_DOTS=f16_dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_splits_kernel[(t, hq)](

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 from nibble.bench.gpu_timing import capture_graph  # noqa: E402
 from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
-from nibble.kernels import attention  # noqa: E402
+from nibble.kernels import attention, kv_gather  # noqa: E402
 from nibble.kernels import paged_attention as pa  # noqa: E402
 from nibble.kernels.activation import (  # noqa: E402
     moe_combine,
@@ -64,6 +64,7 @@ from nibble.kernels.norm import (  # noqa: E402
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
 from nibble.kernels.pdl import pdl_supported  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
+from nibble.kernels.selftest_harness import poison  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
 from tests.helpers.moe_align_check import assert_alignment_matches  # noqa: E402
@@ -188,6 +189,50 @@ def test_paged_attention(kv_dtype: torch.dtype, native_fp8: bool, mode: str, mon
         vf = vc.float() if kv_dtype == BF16 else vc
         ref = attention.paged_attention_ref(q.float(), kf, vf, *args)
         assert rel(out, ref) < TOL, (page, rel(out, ref))
+
+
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("name", ["397B", "35B"])
+def test_paged_attention_fp8_gather(name: str, native_fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 prefills through the 16-bit scratch cache (kv_gather.py) against the conversion in the kernel and
+    the reference, on the prefill tiles of the table (short and 513+ query tokens), fresh caches each round."""
+    if not native_fp8:
+        monkeypatch.setattr(pa, "fp8_native", lambda _d: False)
+        monkeypatch.setattr(kv_gather, "fp8_native", lambda _d: False)
+    c = config(name)
+    for ctx_lens, q_lens in (([0, 3000, 33], [1500, 700, 1]), ([5000, 0], [40, 300])):
+        table, kc, vc, ks, vs = _paged(ctx_lens, q_lens, 16, c.num_key_value_heads, c.head_dim, torch.float8_e4m3fn)
+        q = torch.randn(sum(q_lens), c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
+        lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=DEV)
+        args = (q, kc, vc, cu(q_lens), lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
+        direct = pa.paged_attention_launch(*args, config={"fp8_gather": False})
+        poison(q.device, (tuple(q.shape), BF16))
+        gather = pa.paged_attention_launch(*args, config={"fp8_gather": True})
+        ref = attention.paged_attention_ref(q.float(), kc, vc, *args[3:])
+        assert rel(gather, ref) < TOL and rel(direct, ref) < TOL
+        assert rel(gather, direct) < 1e-3, (q_lens, rel(gather, direct))
+
+
+def test_paged_attention_fp8_gather_not_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured FP8 prefill converts in the kernel (a scratch cache would stay in the graph's pool), and its
+    replay matches the eager launch through the scratch."""
+    c = config("122B")
+    ctx_lens, q_lens = [700, 0], [100, 60]
+    table, kc, vc, ks, vs = _paged(ctx_lens, q_lens, 16, c.num_key_value_heads, c.head_dim, torch.float8_e4m3fn)
+    q = torch.randn(sum(q_lens), c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
+    lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=DEV)
+    args = (q, kc, vc, cu(q_lens), lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
+    eager = pa.paged_attention_launch(*args, config={"fp8_gather": True})
+    real, calls = pa.gather_kv_pages, []
+    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(torch.cuda.is_current_stream_capturing())
+                        or real(*a, **k))
+    out: list[torch.Tensor] = []
+    graph = capture_graph(lambda: out.append(pa.paged_attention_launch(*args, config={"fp8_gather": True})))
+    out[-1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls == [False]  # the warm-up call before the capture only
+    assert rel(out[-1], eager) < 1e-3
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

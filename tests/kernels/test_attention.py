@@ -177,3 +177,67 @@ def test_split_grid_from_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
     splits = pa.num_decode_splits(q.device, 4, 2, 512, 128, 64, q_blocks=1)
     assert splits > 1
     assert grids == [((4, 2, splits), 4, None), ((12, 32), None, splits)] * 3
+
+
+@pytest.mark.parametrize(("ctx", "qlen", "page", "hk", "d"),
+                         [([0, 47, 64, 5], [37, 20, 9, 1], 16, 2, 32), ([170, 3], [40, 1], 8, 3, 24)])
+def test_prefill_fp8_gather(ctx: list[int], qlen: list[int], page: int, hk: int, d: int) -> None:
+    """Long FP8 prefills through the 16-bit scratch cache (`fp8_gather`): the same result as the reference,
+    with a cache whose unowned slots are NaN (the scratch's copies of them must stay unread)."""
+    _attention_case(ctx, qlen, page, 4 * hk, hk, d, torch.float8_e4m3fn,
+                    config={"rows": 32, "block_n": 16, "fp8_gather": True})
+
+
+def test_fp8_gather_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past GATHER_MAX_BYTES the launch converts in the attention kernel instead, and gets the same result;
+    split-KV steps (decode, verify) never gather."""
+    calls: list[int] = []
+    real = pa.gather_kv_pages
+    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
+    assert calls == [1]
+    _attention_case([300, 40], [1, 1], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
+    _attention_case([300, 40], [3, 4], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
+    assert calls == [1]
+    monkeypatch.setattr(pa, "GATHER_MAX_BYTES", 2 * 2 * 4 * 16 * 2 * 32 * 4 - 1)  # one byte short of 4 pages
+    _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
+    assert calls == [1]
+    monkeypatch.setattr(pa, "GATHER_MAX_BYTES", 2 * 2 * 4 * 16 * 2 * 32 * 4)
+    _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_kv_pages(dtype: torch.dtype) -> None:
+    """Every page a sequence owns, converted exactly and in its place; fresh inputs each round, NaN-poisoned
+    scratch; a cache that is a strided view (K and V halves of one tensor)."""
+    from nibble.kernels.kv_gather import gather_kv_pages, gather_kv_pages_ref
+
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        kv = (torch.randn(30, 8, 2, 3, 40, generator=gen) * 30).to(torch.float8_e4m3fn)
+        kc, vc = kv[:, :, 0], kv[:, :, 1]
+        lens = torch.tensor([1, 45, 0, 17], dtype=torch.int32)
+        table = torch.randperm(30, generator=gen)[:24].to(torch.int32).view(4, 6)
+        max_len = 45
+        size = (4 * 6 * 8 * 3 * 40,)
+        k, v, t = poisoned(gather_kv_pages, [(size, dtype)] * 2, kc, vc, table, lens, max_len, dtype)
+        kr, vr, tr = gather_kv_pages_ref(kc, vc, table, lens, max_len, dtype)
+        assert t.tolist() == tr.tolist() == torch.arange(24).view(4, 6).tolist()
+        for s, n in enumerate(lens.tolist()):
+            owned = t[s, :-(-n // 8)].long()
+            assert torch.equal(k[owned], kr[owned]) and torch.equal(v[owned], vr[owned])
+            assert torch.equal(k[owned].float(), kc[table[s, :len(owned)].long()].float())
+
+
+def test_gather_kv_pages_rejects_bad_input() -> None:
+    from nibble.kernels.kv_gather import gather_kv_pages
+
+    kc = torch.zeros(4, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    lens = torch.tensor([40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="e4m3 caches"):
+        gather_kv_pages(kc.float(), kc.float(), torch.zeros(1, 3, dtype=torch.int32), lens, 40, torch.float16)
+    with pytest.raises(ValueError, match="block_table"):
+        gather_kv_pages(kc, kc, torch.zeros(1, 2, dtype=torch.int32), lens, 40, torch.float16)
+    with pytest.raises(ValueError, match="scratch dtype"):
+        gather_kv_pages(kc, kc, torch.zeros(1, 3, dtype=torch.int32), lens, 40, torch.int8)
