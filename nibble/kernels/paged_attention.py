@@ -292,7 +292,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # not while a CUDA graph captures: its scratch would stay allocated in the graph's memory pool
     if kv_fp8 and not split_kv and cfg.get("fp8_gather", False) and not _capturing(q):
         dt = torch.float16 if f16_dots else q.dtype
-        if scratch_bytes(b, max_seq_len, k_cache, dt) <= GATHER_MAX_BYTES:
+        fits = block_table.shape[1] * k_cache.shape[1] >= max_seq_len  # an inflated max_seq_len: no gather
+        if fits and scratch_bytes(b, max_seq_len, k_cache, dt) <= GATHER_MAX_BYTES:
             k_cache, v_cache, block_table = gather_kv_pages(k_cache, v_cache, block_table, seq_lens, max_seq_len, dt)
             kv_fp8 = False
     kc = k_cache.view(torch.uint8) if kv_fp8 and not native else k_cache

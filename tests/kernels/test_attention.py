@@ -205,6 +205,14 @@ def test_fp8_gather_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pa, "GATHER_MAX_BYTES", 2 * 2 * 4 * 16 * 2 * 32 * 4)
     _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
     assert calls == [1, 1]
+    monkeypatch.setattr(pa, "GATHER_MAX_BYTES", 1 << 30)
+    kc = (torch.randn(5, 16, 2, 32) * 10).to(torch.float8_e4m3fn)
+    q = torch.randn(20, 8, 32)
+    args = (q, kc, kc, cu([20]), torch.tensor([50], dtype=torch.int32), torch.tensor([[4, 0, 2, 1]], dtype=torch.int32),
+            0.2, 1.0, 1.0, 20)
+    ref = paged_attention_ref(*args)
+    out = paged_attention_launch(*args, 500, config={"fp8_gather": True})  # max_seq_len past the table's 64 slots
+    assert calls == [1, 1] and rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
