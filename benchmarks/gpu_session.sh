@@ -515,6 +515,22 @@ stage_attngather() {  # FP8 prefills through the 16-bit scratch cache (fp8_gathe
   run attngather 300 python3 benchmarks/attention_prefill_bench.py --models 122B,35B --sweep "" --no-decode --fp8-gather \
     --cases "${ATTN_CASES:-512:0,1024:0,2048:0,8192:0,256:32768,1024:16384,2048:30720,8192:57344}" --out "$OUT/attngather.json"
 }
+stage_gathere2e() {  # 35B-A3B, one 64k-token prompt with an FP8 KV cache: TTFT with fp8_gather on, off, on again
+  # (set in every paged_attention entry of the H200's table, which an H100 takes too)
+  local t=nibble/kernels/tuning/nvidia_h200.json v
+  cp "$t" /tmp/h200_table_saved.json
+  for v in on off on2; do
+    python3 -c "
+import json, sys
+t = json.load(open(sys.argv[1]))
+for e in t['paged_attention']:
+    e['config']['fp8_gather'] = sys.argv[3] != 'off'
+json.dump(t, open(sys.argv[2], 'w'), indent=1)" /tmp/h200_table_saved.json "$t" "$v"
+    run "gathere2e_$v" 200 python3 benchmarks/long_context_bench.py --model $M/Qwen3.5-35B-A3B-NVFP4 --length 65536 \
+      --chunks 8192 --kv-cache-dtype fp8 --decode-steps 8 --out "$OUT/gathere2e_$v.json"
+  done
+  cp /tmp/h200_table_saved.json "$t"
+}
 stage_attndecode() {  # the table's prefill tile against the old kernel, and decode / verify with and without the unmasked loop
   run attndecode 300 python3 benchmarks/attention_prefill_bench.py $(attn_baseline) --sweep "" --out "$OUT/attndecode.json"
 }
