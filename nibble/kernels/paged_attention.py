@@ -5,7 +5,8 @@ One kernel serves prefill and decode. A program owns BLOCK_Q query tokens of one
 heads of one KV head (GQA packing: the rows of its tiles are (token, head-in-group) pairs), so each K/V
 tile is read once per group and the dots have 16+ rows even for one decode token. K/V tiles are gathered
 through the block table (any power-of-two page size), scores use an online softmax in fp32 (exp2 with the
-scale folded in), FP8 caches are converted in registers and their scales applied to scores and output.
+scale folded in), FP8 caches are converted in registers and their scales applied to scores and output (or,
+for a prefill where the table's `fp8_gather` is on, converted once into a 16-bit scratch cache: kv_gather.py).
 Steps with few query tokens per sequence (decode, and the verify step of speculative decoding: the last
 token plus a few drafts) split long contexts over several programs (split-KV) whose partial outputs and
 log-sum-exps a second kernel merges; each program covers all of a sequence's query tokens (up to BLOCK_Q
