@@ -293,7 +293,7 @@ stage_gluondec() {  # the Gluon GEMM at decode sizes, weights one or two K steps
 stage_gluonsync() {  # the converter-decode Gluon GEMM with its wgmma waited for every step (SYNC 2) and with two steps
   # per loop iteration in different A registers (SYNC 16), checked (--check) and timed, dense and grouped like the
   # 122B-A10B's gate_up at 4096 tokens, beside the racy SYNC 0 and the Triton nvfp4_linear
-  run gluoncheck 150 python3 benchmarks/gluon_fp4_probe.py --check
+  stage_gluoncheck
   local s
   for s in 16 2 0; do
     run "gluonsync$s" 120 python3 benchmarks/gluon_fp4_probe.py --sync "$s" --only 'converter'
