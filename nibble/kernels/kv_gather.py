@@ -51,10 +51,14 @@ def _gather_kv_kernel(k_ptr, v_ptr, ko_ptr, vo_ptr, bt_ptr, lens_ptr, pages_per_
     tl.store(vo_ptr + out, v.to(vo_ptr.dtype.element_ty), mask=mask)
 
 
+def _pages_per_seq(max_seq_len: int, page: int) -> int:
+    return cdiv(max(1, max_seq_len), page)
+
+
 def scratch_bytes(num_seqs: int, max_seq_len: int, k_cache: torch.Tensor, dtype: torch.dtype) -> int:
     """Bytes of the K and V scratch caches `gather_kv_pages` allocates."""
     _, page, hk, d = k_cache.shape
-    return 2 * num_seqs * cdiv(max_seq_len, page) * page * hk * d * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_seqs * _pages_per_seq(max_seq_len, page) * page * hk * d * dtype.itemsize
 
 
 def gather_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -73,7 +77,7 @@ def gather_kv_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
         raise ValueError(f"gather_kv_pages: scratch dtype {dtype} is not a float type e4m3 converts into")
     b = seq_lens.shape[0]
     _, page, hk, d = k_cache.shape
-    pages = cdiv(max(1, max_seq_len), page)
+    pages = _pages_per_seq(max_seq_len, page)
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] < pages:
         raise ValueError(f"gather_kv_pages: block_table {tuple(block_table.shape)} for {b} sequences of up "
                          f"to {max_seq_len} tokens ({pages} pages of {page})")
@@ -98,7 +102,7 @@ def gather_kv_pages_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
     """Torch `gather_kv_pages`; here every scratch page is written (pages past a sequence's length too)."""
     b = seq_lens.shape[0]
     page = k_cache.shape[1]
-    pages = cdiv(max(1, max_seq_len), page)
+    pages = _pages_per_seq(max_seq_len, page)
     idx = block_table[:, :pages].reshape(-1).long()
     table = torch.arange(b * pages, dtype=torch.int32, device=k_cache.device).view(b, pages)
     return k_cache[idx].to(dtype), v_cache[idx].to(dtype), table
