@@ -290,8 +290,10 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = 1
     native = fp8_native(q.device)
     f16_dots = q.dtype == torch.bfloat16 and kv_fp8 and native
-    # not while a CUDA graph captures: its scratch would stay allocated in the graph's memory pool
-    if kv_fp8 and not split_kv and cfg.get("fp8_gather", False) and not _capturing(q):
+    # not while a CUDA graph captures: its scratch would stay allocated in the graph's memory pool; not for short
+    # contexts, where the extra launch and the scratch's round trip cost more than the conversions they save
+    gather = cfg.get("fp8_gather", False) and max_seq_len >= cfg.get("fp8_gather_min_seq_len", 0)
+    if kv_fp8 and not split_kv and gather and not _capturing(q):
         dt = torch.float16 if f16_dots else q.dtype
         fits = block_table.shape[1] * k_cache.shape[1] >= max_seq_len  # an inflated max_seq_len: no gather
         if fits and scratch_bytes(b, max_seq_len, k_cache, dt) <= GATHER_MAX_BYTES:

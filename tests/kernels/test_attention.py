@@ -215,6 +215,19 @@ def test_fp8_gather_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1, 1] and rel_err(out, ref) < 1e-5
 
 
+def test_fp8_gather_min_seq_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fp8_gather_min_seq_len` bounds the gather by the batch's longest sequence (here 30 + 20 = 50 tokens):
+    below it the kernel converts, from it on the scratch is read; the result is the same either way."""
+    calls: list[int] = []
+    real = pa.gather_kv_pages
+    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for min_len, want in ((51, []), (50, [1])):
+        calls.clear()
+        _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn,
+                        config={"fp8_gather": True, "fp8_gather_min_seq_len": min_len})
+        assert calls == want, min_len
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_kv_pages(dtype: torch.dtype) -> None:
     """Every page a sequence owns, converted exactly and in its place; fresh inputs each round, NaN-poisoned
