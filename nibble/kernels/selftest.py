@@ -38,6 +38,7 @@ from nibble.kernels.selftest_harness import (  # noqa: F401  (re-exported: the n
     poison,
     rel_err,
 )
+from nibble.kernels.tuning_tables import lookup
 from nibble.models.config import ModelConfig
 
 MOE_TEST_BYTES = 2 << 30
@@ -147,12 +148,27 @@ def test_store_kv(fn: Callable, ctx: SelfTestContext) -> float:
                rel_err("v_cache", vc.float(), vc_ref.float(), ctx.tol))
 
 
+def _fp8_gather_cases(ctx: SelfTestContext) -> list[tuple[list[int], list[int]]]:
+    """A prefill long enough to go through the FP8 cache's 16-bit scratch (kv_gather.py), where this GPU's table
+    turns it on only past `fp8_gather_min_seq_len` tokens, longer than the other cases' contexts."""
+    if ctx.kv_cache_dtype != torch.float8_e4m3fn:
+        return []
+    hq, hk = ctx.attention_heads
+    q_len = 40
+    cfg = lookup("paged_attention", ctx.device, {"head_dim": ctx.config.head_dim, "decode": False,
+                                                 "group": hq // hk, "query_len": q_len})
+    if not cfg.get("fp8_gather", False):
+        return []
+    return [([max(cfg.get("fp8_gather_min_seq_len", 0), 64) - q_len, 0], [q_len, 3])]
+
+
 def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:
     c = ctx.config
     worst = 0.0
-    # decode (one long context to exercise split-KV), prefill with a cached prefix, and a prefill past 512 query
-    # tokens (the tables' long-prefill tiles, `min_query_len`)
-    for ctx_lens, q_lens in (([0, 130, 2900], [1, 1, 1]), ([0, 190, 7], [37, 5, 1]), ([40, 0], [520, 3])):
+    # decode (one long context to exercise split-KV), prefill with a cached prefix, a prefill past 512 query
+    # tokens (the tables' long-prefill tiles, `min_query_len`) and, with an FP8 cache, one through the scratch
+    cases = [([0, 130, 2900], [1, 1, 1]), ([0, 190, 7], [37, 5, 1]), ([40, 0], [520, 3]), *_fp8_gather_cases(ctx)]
+    for ctx_lens, q_lens in cases:
         table, shape = _paged_setup(ctx, ctx_lens, q_lens)
         fp8 = ctx.kv_cache_dtype == torch.float8_e4m3fn
         ks, vs = (0.02, 0.015) if fp8 else (1.0, 1.0)

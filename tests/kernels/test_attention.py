@@ -262,3 +262,40 @@ def test_gather_kv_pages_rejects_bad_input() -> None:
         gather_kv_pages(kc, kc, torch.zeros(1, 2, dtype=torch.int32), lens, 40, torch.float16)
     with pytest.raises(ValueError, match="scratch dtype"):
         gather_kv_pages(kc, kc, torch.zeros(1, 3, dtype=torch.int32), lens, 40, torch.int8)
+
+
+def test_self_test_goes_through_the_fp8_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a GPU's table turns `fp8_gather` on (past `fp8_gather_min_seq_len` tokens), the start-up self-test of
+    `paged_attention` with an FP8 cache runs a prefill that long, so a gather that writes garbage fails it."""
+    from nibble.kernels import selftest
+    from nibble.models.config import ModelConfig
+
+    real_lookup = pa.lookup
+
+    def gather_on(op: str, device: torch.device | str, key: dict) -> dict:
+        return {**real_lookup(op, device, key), "fp8_gather": True, "fp8_gather_min_seq_len": 600}
+
+    monkeypatch.setattr(pa, "lookup", gather_on)
+    monkeypatch.setattr(selftest, "lookup", gather_on)
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4})
+    ctx = selftest.SelfTestContext(cfg, torch.device("cpu"), torch.float32, torch.float8_e4m3fn, 16,
+                                   torch.Generator().manual_seed(0))
+    assert [max(a + b for a, b in zip(*c)) for c in selftest._fp8_gather_cases(ctx)] == [600]
+    calls: list[int] = []
+    real = pa.gather_kv_pages
+    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert selftest.test_paged_attention(pa.paged_attention, ctx) < 1e-5
+    assert calls == [1]
+
+    def zeroed(*a, **k):
+        k_s, v_s, table = real(*a, **k)
+        return k_s.zero_(), v_s, table
+
+    monkeypatch.setattr(pa, "gather_kv_pages", zeroed)
+    with pytest.raises(selftest.SelfTestFailure):
+        selftest.test_paged_attention(pa.paged_attention, ctx)
