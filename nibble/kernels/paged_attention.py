@@ -223,6 +223,13 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def tuning_config(device: torch.device | str, head_dim: int, group: int, max_query_len: int) -> dict:
+    """The tuning table's launch configuration for a step whose longest query is max_query_len tokens (a fresh
+    dict: the verify step's fields are not folded in yet)."""
+    return lookup("paged_attention", device, {"head_dim": head_dim, "decode": max_query_len == 1, "group": group,
+                                              "query_len": max_query_len})
+
+
 def num_decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       min_chunk: int, max_splits: int, q_blocks: int = 1) -> int:
     """Split-KV factor for a decode or verify step of `num_seqs * q_blocks * num_kv_heads` programs per
@@ -269,8 +276,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_kv = max_query_len <= SPLIT_MAX_QUERY_LEN
     g_pad = next_pow2(group)
     block_d = next_pow2(hd)
-    cfg = lookup("paged_attention", q.device, {"head_dim": hd, "decode": max_query_len == 1, "group": group,
-                                               "query_len": max_query_len})
+    cfg = tuning_config(q.device, hd, group, max_query_len)
     cfg.update(config or {})
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if split_kv and max_query_len > 1:
@@ -292,7 +298,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     f16_dots = q.dtype == torch.bfloat16 and kv_fp8 and native
     # not while a CUDA graph captures: its scratch would stay allocated in the graph's memory pool; not for short
     # contexts, where the extra launch and the scratch's round trip cost more than the conversions they save
-    gather = cfg.get("fp8_gather", False) and max_seq_len >= cfg.get("fp8_gather_min_seq_len", 0)
+    gather = cfg["fp8_gather"] and max_seq_len >= cfg["fp8_gather_min_seq_len"]
     if kv_fp8 and not split_kv and gather and not _capturing(q):
         dt = torch.float16 if f16_dots else q.dtype
         fits = block_table.shape[1] * k_cache.shape[1] >= max_seq_len  # an inflated max_seq_len: no gather

@@ -21,6 +21,7 @@ from nibble.kernels.dense_gemv import dense_linear_ref
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters
 from nibble.kernels.norm import gated_rms_norm_ref, qk_rms_norm_ref, rms_norm_moe_ref, rms_norm_ref
 from nibble.kernels.nvfp4_linear import nvfp4_linear_ref
+from nibble.kernels.paged_attention import tuning_config
 from nibble.kernels.rope import build_cos_sin_cache, rope_ref
 from nibble.kernels.selftest_gdn import (
     test_causal_conv1d,
@@ -38,7 +39,6 @@ from nibble.kernels.selftest_harness import (  # noqa: F401  (re-exported: the n
     poison,
     rel_err,
 )
-from nibble.kernels.tuning_tables import lookup
 from nibble.models.config import ModelConfig
 
 MOE_TEST_BYTES = 2 << 30
@@ -155,11 +155,10 @@ def _fp8_gather_cases(ctx: SelfTestContext) -> list[tuple[list[int], list[int]]]
         return []
     hq, hk = ctx.attention_heads
     q_len = 40
-    cfg = lookup("paged_attention", ctx.device, {"head_dim": ctx.config.head_dim, "decode": False,
-                                                 "group": hq // hk, "query_len": q_len})
-    if not cfg.get("fp8_gather", False):
+    cfg = tuning_config(ctx.device, ctx.config.head_dim, hq // hk, q_len)
+    if not cfg["fp8_gather"]:
         return []
-    return [([max(cfg.get("fp8_gather_min_seq_len", 0), 64) - q_len, 0], [q_len, 3])]
+    return [([max(cfg["fp8_gather_min_seq_len"], 64) - q_len, 0], [q_len, 3])]
 
 
 def test_paged_attention(fn: Callable, ctx: SelfTestContext) -> float:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor, pack_fp4
+from nibble.kernels import paged_attention as pa
 from nibble.kernels.selftest import poison
 
 
@@ -14,6 +16,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     o, r = out.float(), ref.float()
     assert torch.isfinite(o).all(), "non-finite output (unwritten element?)"
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def count_gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets a 1 for each FP8 scratch gather `paged_attention_launch` runs (kv_gather.py)."""
+    calls: list[int] = []
+    real = pa.gather_kv_pages
+    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
 
 
 def random_nvfp4(*shape: int, gen: torch.Generator | None = None) -> NVFP4Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import cu, poisoned, rel_err
+from kernel_testing import count_gathers, cu, poisoned, rel_err
 
 from nibble.kernels import paged_attention as pa
 from nibble.kernels.attention import paged_attention_ref, store_kv, store_kv_ref
@@ -191,9 +191,7 @@ def test_prefill_fp8_gather(ctx: list[int], qlen: list[int], page: int, hk: int,
 def test_fp8_gather_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past GATHER_MAX_BYTES the launch converts in the attention kernel instead, and gets the same result;
     split-KV steps (decode, verify) never gather."""
-    calls: list[int] = []
-    real = pa.gather_kv_pages
-    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_gathers(monkeypatch)
     _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
     assert calls == [1]
     _attention_case([300, 40], [1, 1], 16, 8, 2, 32, torch.float8_e4m3fn, config={"fp8_gather": True})
@@ -218,9 +216,7 @@ def test_fp8_gather_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fp8_gather_min_seq_len(monkeypatch: pytest.MonkeyPatch) -> None:
     """`fp8_gather_min_seq_len` bounds the gather by the batch's longest sequence (here 30 + 20 = 50 tokens):
     below it the kernel converts, from it on the scratch is read; the result is the same either way."""
-    calls: list[int] = []
-    real = pa.gather_kv_pages
-    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_gathers(monkeypatch)
     for min_len, want in ((51, []), (50, [1])):
         calls.clear()
         _attention_case([30, 0], [20, 9], 16, 8, 2, 32, torch.float8_e4m3fn,
@@ -263,39 +259,3 @@ def test_gather_kv_pages_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="scratch dtype"):
         gather_kv_pages(kc, kc, torch.zeros(1, 3, dtype=torch.int32), lens, 40, torch.int8)
 
-
-def test_self_test_goes_through_the_fp8_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a GPU's table turns `fp8_gather` on (past `fp8_gather_min_seq_len` tokens), the start-up self-test of
-    `paged_attention` with an FP8 cache runs a prefill that long, so a gather that writes garbage fails it."""
-    from nibble.kernels import selftest
-    from nibble.models.config import ModelConfig
-
-    real_lookup = pa.lookup
-
-    def gather_on(op: str, device: torch.device | str, key: dict) -> dict:
-        return {**real_lookup(op, device, key), "fp8_gather": True, "fp8_gather_min_seq_len": 600}
-
-    monkeypatch.setattr(pa, "lookup", gather_on)
-    monkeypatch.setattr(selftest, "lookup", gather_on)
-    cfg = ModelConfig.from_dict({
-        "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4})
-    ctx = selftest.SelfTestContext(cfg, torch.device("cpu"), torch.float32, torch.float8_e4m3fn, 16,
-                                   torch.Generator().manual_seed(0))
-    assert [max(a + b for a, b in zip(*c)) for c in selftest._fp8_gather_cases(ctx)] == [600]
-    calls: list[int] = []
-    real = pa.gather_kv_pages
-    monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert selftest.test_paged_attention(pa.paged_attention, ctx) < 1e-5
-    assert calls == [1]
-
-    def zeroed(*a, **k):
-        k_s, v_s, table = real(*a, **k)
-        return k_s.zero_(), v_s, table
-
-    monkeypatch.setattr(pa, "gather_kv_pages", zeroed)
-    with pytest.raises(selftest.SelfTestFailure):
-        selftest.test_paged_attention(pa.paged_attention, ctx)

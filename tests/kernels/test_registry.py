@@ -8,8 +8,12 @@ import logging
 
 import pytest
 import torch
+from kernel_testing import count_gathers
 
+from nibble.kernels import paged_attention as pa
+from nibble.kernels import selftest
 from nibble.kernels.kernel_set import OP_NAMES
+from nibble.kernels.kv_gather import gather_kv_pages
 from nibble.kernels.norm import rms_norm_ref
 from nibble.kernels.registry import Backend, KernelSelectionError, always, default_backends, select_kernels
 from nibble.models.config import ModelConfig
@@ -144,3 +148,28 @@ def test_every_op_selects_triton_under_the_interpreter() -> None:
     expected = {op: "triton" for op in OP_NAMES}
     assert kernels.backend_names == expected, report.table()
     assert all(r.rel_error is not None and r.rel_error < 1e-4 for r in report.results if r.status == "ok")
+
+
+def test_self_test_goes_through_the_fp8_gather(config: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a GPU's table turns `fp8_gather` on (past `fp8_gather_min_seq_len` tokens), the start-up self-test of
+    `paged_attention` with an FP8 cache runs a prefill that long, so a gather that writes garbage fails it."""
+    real_lookup = pa.lookup
+
+    def gather_on(op: str, device: torch.device | str, key: dict) -> dict:
+        return {**real_lookup(op, device, key), "fp8_gather": True, "fp8_gather_min_seq_len": 600}
+
+    monkeypatch.setattr(pa, "lookup", gather_on)
+    ctx = selftest.SelfTestContext(config, torch.device("cpu"), torch.float32, torch.float8_e4m3fn, 16,
+                                   torch.Generator().manual_seed(0))
+    assert [max(a + b for a, b in zip(*c)) for c in selftest._fp8_gather_cases(ctx)] == [600]
+    calls = count_gathers(monkeypatch)
+    assert selftest.test_paged_attention(pa.paged_attention, ctx) < 1e-5
+    assert calls == [1]
+
+    def zeroed(*a, **k):
+        k_s, v_s, table = gather_kv_pages(*a, **k)
+        return k_s.zero_(), v_s, table
+
+    monkeypatch.setattr(pa, "gather_kv_pages", zeroed)
+    with pytest.raises(selftest.SelfTestFailure):
+        selftest.test_paged_attention(pa.paged_attention, ctx)
