@@ -160,7 +160,7 @@ def main() -> None:
         if base is not None:
             variants.append(("baseline", base.paged_attention_launch, {}))
         if args.fp8_gather and kv_dtype == torch.float8_e4m3fn:
-            variants += [("gather", pa.paged_attention_launch, {"fp8_gather": True}),
+            variants += [("gather", pa.paged_attention_launch, {"fp8_gather": True, "fp8_gather_min_seq_len": 0}),
                          ("direct", pa.paged_attention_launch, {"fp8_gather": False})]
         variants += [("sweep", pa.paged_attention_launch, t) for t in tiles]
         tag = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"

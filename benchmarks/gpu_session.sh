@@ -405,7 +405,7 @@ stage_alignab() {  # the table's choice with this checkout's moe_align, with $AL
     if [ $tag = old ]; then cp /tmp/align_new.py nibble/kernels/moe_align.py; fi
   done
 }
-stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv" -p no:cacheprovider -rf; }
+stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv or select_kernels" -p no:cacheprovider -rf; }
 stage_routelin() { NIBBLE_TEST_GPU=1 run routelin 280 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "route or nvfp4_linear or select" -p no:cacheprovider -rf --tb=short; }
 stage_kernels() { run kernels 300 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }
 stage_kernels_std() { run kernels_std 400 python3 benchmarks/kernels.py --budget-s 370 --out "$OUT/kernels.json" --md "$OUT/kernels.md"; }

@@ -68,6 +68,7 @@ from nibble.kernels.selftest_harness import poison  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
 from tests.helpers.moe_align_check import assert_alignment_matches  # noqa: E402
+from tests.kernels.kernel_testing import count_gathers  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -76,6 +77,8 @@ TOL = 2e-2
 MIXED = {"xmode": "quad", "block_t": 4, "mixed_max_pairs": 9, "lg_xmode": "split", "lg_block_t": 16,
          "lg_gu_block_n": 64, "lg_gu_block_k": 256, "lg_gu_warps": 8, "lg_gu_stages": 4, "lg_dn_block_n": 64,
          "lg_dn_block_k": 256, "lg_dn_warps": 4, "lg_dn_stages": 4}
+# FP8 prefills through the 16-bit scratch whatever the context (a GPU's table turns it on only past a threshold)
+GATHER = {"fp8_gather": True, "fp8_gather_min_seq_len": 0}
 
 _COMMON = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320, "num_attention_heads": 32,
            "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
@@ -200,6 +203,7 @@ def test_paged_attention_fp8_gather(num_heads: int, native_fp8: bool, monkeypatc
         monkeypatch.setattr(pa, "fp8_native", lambda _d: False)
         monkeypatch.setattr(kv_gather, "fp8_native", lambda _d: False)
     c = ModelConfig.from_dict({**SHAPES["122B"], "num_attention_heads": num_heads}, quant=NVFP4)
+    gathers = count_gathers(monkeypatch)
     for ctx_lens, q_lens in (([0, 3000, 33], [1500, 700, 1]), ([5000, 0], [40, 300])):
         table, kc, vc, ks, vs = _paged(ctx_lens, q_lens, 16, c.num_key_value_heads, c.head_dim, torch.float8_e4m3fn)
         q = torch.randn(sum(q_lens), c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
@@ -207,10 +211,11 @@ def test_paged_attention_fp8_gather(num_heads: int, native_fp8: bool, monkeypatc
         args = (q, kc, vc, cu(q_lens), lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
         direct = pa.paged_attention_launch(*args, config={"fp8_gather": False})
         poison(q.device, (tuple(q.shape), BF16))
-        gather = pa.paged_attention_launch(*args, config={"fp8_gather": True})
+        gather = pa.paged_attention_launch(*args, config=GATHER)
         ref = attention.paged_attention_ref(q.float(), kc, vc, *args[3:])
         assert rel(gather, ref) < TOL and rel(direct, ref) < TOL
         assert rel(gather, direct) < 1e-3, (q_lens, rel(gather, direct))
+    assert len(gathers) == 2
 
 
 def test_paged_attention_fp8_gather_not_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,12 +227,12 @@ def test_paged_attention_fp8_gather_not_in_graphs(monkeypatch: pytest.MonkeyPatc
     q = torch.randn(sum(q_lens), c.num_attention_heads, c.head_dim, device=DEV, dtype=BF16)
     lens = torch.tensor([a + b for a, b in zip(ctx_lens, q_lens)], dtype=torch.int32, device=DEV)
     args = (q, kc, vc, cu(q_lens), lens, table, c.head_dim ** -0.5, ks, vs, max(q_lens), int(lens.max()))
-    eager = pa.paged_attention_launch(*args, config={"fp8_gather": True})
+    eager = pa.paged_attention_launch(*args, config=GATHER)
     real, calls = pa.gather_kv_pages, []
     monkeypatch.setattr(pa, "gather_kv_pages", lambda *a, **k: calls.append(torch.cuda.is_current_stream_capturing())
                         or real(*a, **k))
     out: list[torch.Tensor] = []
-    graph = capture_graph(lambda: out.append(pa.paged_attention_launch(*args, config={"fp8_gather": True})))
+    graph = capture_graph(lambda: out.append(pa.paged_attention_launch(*args, config=GATHER)))
     out[-1].fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -644,11 +649,16 @@ def test_nvfp4_linear(n: int, k: int) -> None:
             assert rel(nvfp4_linear_launch(x, w, path=path), ref) < TOL, (t, path)
 
 
-def test_select_kernels_real_122b() -> None:
+def test_select_kernels_real_122b(monkeypatch: pytest.MonkeyPatch) -> None:
     from nibble.kernels.registry import select_kernels
 
-    kernels, report = select_kernels(config("122B"), DEV, BF16, torch.float8_e4m3fn)
+    c = config("122B")
+    gathers = count_gathers(monkeypatch)
+    kernels, report = select_kernels(c, DEV, BF16, torch.float8_e4m3fn)
     print(report.table())
     expected = {op: "triton" for op in kernels.backend_names}
     expected["gated_delta_rule"] = "fla"
     assert kernels.backend_names == expected, report.table()
+    # where this GPU's table turns the FP8 scratch gather on, the self-test's long prefill went through it
+    if pa.tuning_config(DEV, c.head_dim, c.num_attention_heads // c.num_key_value_heads, 40)["fp8_gather"]:
+        assert gathers
