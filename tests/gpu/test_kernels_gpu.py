@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 from nibble.bench.gpu_timing import capture_graph  # noqa: E402
 from nibble.formats.nvfp4 import NVFP4Tensor  # noqa: E402
-from nibble.kernels import attention, kv_gather  # noqa: E402
+from nibble.kernels import attention, kv_gather, selftest  # noqa: E402
 from nibble.kernels import paged_attention as pa  # noqa: E402
 from nibble.kernels.activation import (  # noqa: E402
     moe_combine,
@@ -64,7 +64,7 @@ from nibble.kernels.norm import (  # noqa: E402
 from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  # noqa: E402
 from nibble.kernels.pdl import pdl_supported  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
-from nibble.kernels.selftest_harness import poison  # noqa: E402
+from nibble.kernels.selftest_harness import SelfTestContext, poison  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
 from tests.helpers.moe_align_check import assert_alignment_matches  # noqa: E402
@@ -660,5 +660,6 @@ def test_select_kernels_real_122b(monkeypatch: pytest.MonkeyPatch) -> None:
     expected["gated_delta_rule"] = "fla"
     assert kernels.backend_names == expected, report.table()
     # where this GPU's table turns the FP8 scratch gather on, the self-test's long prefill went through it
-    if pa.tuning_config(DEV, c.head_dim, c.num_attention_heads // c.num_key_value_heads, 40)["fp8_gather"]:
+    ctx = SelfTestContext(c, torch.device(DEV), BF16, torch.float8_e4m3fn, 16, torch.Generator())
+    if selftest._fp8_gather_cases(ctx):
         assert gathers

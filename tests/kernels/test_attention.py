@@ -258,4 +258,3 @@ def test_gather_kv_pages_rejects_bad_input() -> None:
         gather_kv_pages(kc, kc, torch.zeros(1, 2, dtype=torch.int32), lens, 40, torch.float16)
     with pytest.raises(ValueError, match="scratch dtype"):
         gather_kv_pages(kc, kc, torch.zeros(1, 3, dtype=torch.int32), lens, 40, torch.int8)
-
