@@ -267,6 +267,33 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
     --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" ${MOE_PROFILE:+--profile} "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
 }
 stage_moejsonb() { MOE_TAG=b stage_moejson; }  # the same again, into moejsonb.*
+ab_tree() {  # a copy of this checkout at /tmp/abtree with the files under $AB_OLD (default .bench_assets/old) laid
+  # over it: the "before" side of an A/B timing of a kernel change, run in the same call as the "after" side
+  rm -rf /tmp/abtree && mkdir -p /tmp/abtree && tar cf - --exclude=./.bench_assets --exclude=./.whl --exclude=./.git --exclude=./.venv . | tar xf - -C /tmp/abtree \
+    && cp -r "${AB_OLD:-.bench_assets/old}/." /tmp/abtree/
+}
+in_tree() { echo env -C "$1" PYTHONPATH="/tmp/site:$1"; }  # $(in_tree DIR) CMD...: CMD in DIR, DIR's nibble first
+stage_moeab() {  # the table's choice, this checkout against /tmp/abtree, alternately twice, at $AB_TOKENS of $AB_MODELS
+  ab_tree || { echo "[moeab] no A/B tree" | tee -a "$SUMMARY"; return; }
+  local r side dir
+  for r in 1 2; do
+    for side in new old; do
+      dir=$PWD; [ "$side" = old ] && dir=/tmp/abtree
+      run "moeab_${side}$r" "${MOE_LIMIT:-300}" $(in_tree "$dir") python3 benchmarks/moe_bench.py \
+        --models "${AB_MODELS:-122B,397B}" --tokens "${AB_TOKENS:-$MOE_TOKENS}" --only '^auto$' --reps "${MOE_REPS:-10}" \
+        --out "$OUT/moeab_${side}$r.json"
+    done
+  done
+}
+stage_linearab() {  # nvfp4_linear (and cuBLAS bf16), this checkout against /tmp/abtree, at $LIN_TOKENS
+  [ -d /tmp/abtree ] || ab_tree || { echo "[linearab] no A/B tree" | tee -a "$SUMMARY"; return; }
+  local side dir
+  for side in new old; do
+    dir=$PWD; [ "$side" = old ] && dir=/tmp/abtree
+    run "linearab_$side" 240 $(in_tree "$dir") python3 benchmarks/kernels.py --ops linear --models 122B,397B \
+      --tokens "${LIN_TOKENS:-1,16,256,1024,2048,8192}" --budget-s 200 --out "$OUT/linearab_$side.json"
+  done
+}
 stage_moeshards() {  # the table's choice on one rank's share of tensor- / expert-parallel layers (moe_bench.py `spec`)
   run moeshards 300 python3 benchmarks/moe_bench.py --models "${MOE_SHARDS:-122B/tp2,122B/tp4,397B/tp4,397B/tp8,397B/ep8}" \
     --tokens "${MOE_TOKENS:-1,4,16,64,256,1024,4096}" --only '^auto$' --out "$OUT/moeshards.json"

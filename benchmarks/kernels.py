@@ -3,7 +3,7 @@ prefill sizes on the real Qwen3.5-122B-A10B / 397B-A17B layer shapes, with a tor
 exists. Prints a markdown table last.
 
     python benchmarks/kernels.py --out out/kernels.json --md out/kernels.md [--quick | --full]
-        [--sweep-moe | --sweep-linear]
+        [--sweep-moe | --sweep-linear] [--ops linear --models 122B,397B --tokens 1,256,8192]
 
 Times are medians over CUDA-graph replays (launch overhead excluded, as in the engine's decode graphs)
 with the L2 cache flushed before each replay; ops that cannot be captured (fla's prefill syncs) are timed
@@ -52,6 +52,7 @@ ATTN = {"hq": 32, "hk": 2, "d": 256}
 GDN = {"hk": 16, "hv": 64, "dk": 128, "dv": 128, "conv": 2 * 16 * 128 + 64 * 128, "width": 4}
 DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL = (2048, 8192)
+OPS = {"moe", "linear", "attention", "verify", "gdn", "norm"}
 VERIFY = {"batch": (1, 8, 32), "ctx": (1024, 16384), "n": 3}  # speculative decoding: last token + 2 drafts
 
 
@@ -448,7 +449,14 @@ def main() -> None:
     ap.add_argument("--sweep-linear", action="store_true", help="time nvfp4_linear configurations (122B) instead")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining cases after this many seconds")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--ops", default="moe,linear,attention,verify,gdn,norm",
+                    help="comma-separated subset of moe,linear,attention,verify,gdn,norm to time")
+    ap.add_argument("--models", default="", help="comma-separated subset of 122B,397B (default: by --quick)")
+    ap.add_argument("--tokens", default="", help="token counts for moe and linear (default: by --quick)")
     args = ap.parse_args()
+    ops = set(args.ops.split(","))
+    if ops - OPS:
+        sys.exit(f"--ops: unknown {sorted(ops - OPS)}; choose from {sorted(OPS)}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     b = Bench(float("inf") if args.full else args.budget_s, args.reps)
@@ -457,16 +465,24 @@ def main() -> None:
     if args.sweep_moe or args.sweep_linear:
         result["sweep"] = {"122B": sweep_moe(b, "122B") if args.sweep_moe else sweep_linear(b, "122B")}
     else:
-        models = ("122B",) if args.quick else tuple(MODELS)
-        decode = (1, 32) if args.quick else DECODE
-        prefill = (2048,) if args.quick else PREFILL
+        models = tuple(args.models.split(",")) if args.models else ("122B",) if args.quick else tuple(MODELS)
+        if set(models) - set(MODELS):
+            sys.exit(f"--models: unknown {sorted(set(models) - set(MODELS))}; choose from {sorted(MODELS)}")
+        sizes = (tuple(int(t) for t in args.tokens.split(",")) if args.tokens
+                 else (1, 32, 2048) if args.quick else DECODE + PREFILL)
         for model in models:
-            bench_moe(b, model, decode + prefill, paths=not args.quick, with_baseline=True)
-        bench_linear(b, models[0], decode + prefill)
-        bench_attention(b, models[0], args.full)
-        bench_verify(b, models[0])
-        bench_gdn(b, models[0], args.full)
-        bench_norm(b, models[0], (1, 256, 8192))
+            if "moe" in ops:
+                bench_moe(b, model, sizes, paths=not args.quick, with_baseline=True)
+            if "linear" in ops:
+                bench_linear(b, model, sizes)
+        if "attention" in ops:
+            bench_attention(b, models[0], args.full)
+        if "verify" in ops:
+            bench_verify(b, models[0])
+        if "gdn" in ops:
+            bench_gdn(b, models[0], args.full)
+        if "norm" in ops:
+            bench_norm(b, models[0], (1, 256, 8192))
     result["records"] = b.records
     md = markdown(b)
     if args.out:
