@@ -267,30 +267,33 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
     --tokens "$MOE_TOKENS" --only '^auto$' --reps "${MOE_REPS:-10}" ${MOE_PROFILE:+--profile} "${v[@]}" --out "$OUT/moejson${MOE_TAG:-}.json"
 }
 stage_moejsonb() { MOE_TAG=b stage_moejson; }  # the same again, into moejsonb.*
-ab_tree() {  # a copy of this checkout at /tmp/abtree with the files under $AB_OLD (default .bench_assets/old) laid
-  # over it: the "before" side of an A/B timing of a kernel change, run in the same call as the "after" side
+ab_tree() {  # a copy of this checkout at /tmp/abtree with the files under $1 (default $AB_OLD, else .bench_assets/old)
+  # laid over it: the "before" side of an A/B timing of a kernel change, run in the same call as the "after" side;
+  # rebuilt by every stage that uses it (a machine lent again may still hold an earlier call's tree)
   rm -rf /tmp/abtree && mkdir -p /tmp/abtree && tar cf - --exclude=./.bench_assets --exclude=./.whl --exclude=./.git --exclude=./.venv . | tar xf - -C /tmp/abtree \
-    && cp -r "${AB_OLD:-.bench_assets/old}/." /tmp/abtree/
+    && cp -r "${1:-${AB_OLD:-.bench_assets/old}}/." /tmp/abtree/
 }
-in_tree() { echo env -C "$1" PYTHONPATH="/tmp/site:$1"; }  # $(in_tree DIR) CMD...: CMD in DIR, DIR's nibble first
+ab_env() {  # $(ab_env new|old) CMD...: CMD in this checkout or in /tmp/abtree, that tree's nibble first on the path
+  local dir=$PWD
+  [ "$1" = old ] && dir=/tmp/abtree
+  echo env -C "$dir" PYTHONPATH="/tmp/site:$dir"
+}
 stage_moeab() {  # the table's choice, this checkout against /tmp/abtree, alternately twice, at $AB_TOKENS of $AB_MODELS
   ab_tree || { echo "[moeab] no A/B tree" | tee -a "$SUMMARY"; return; }
-  local r side dir
+  local r side
   for r in 1 2; do
     for side in new old; do
-      dir=$PWD; [ "$side" = old ] && dir=/tmp/abtree
-      run "moeab_${side}$r" "${MOE_LIMIT:-300}" $(in_tree "$dir") python3 benchmarks/moe_bench.py \
+      run "moeab_${side}$r" "${MOE_LIMIT:-300}" $(ab_env $side) python3 benchmarks/moe_bench.py \
         --models "${AB_MODELS:-122B,397B}" --tokens "${AB_TOKENS:-$MOE_TOKENS}" --only '^auto$' --reps "${MOE_REPS:-10}" \
         --out "$OUT/moeab_${side}$r.json"
     done
   done
 }
 stage_linearab() {  # nvfp4_linear (and cuBLAS bf16), this checkout against /tmp/abtree, at $LIN_TOKENS
-  [ -d /tmp/abtree ] || ab_tree || { echo "[linearab] no A/B tree" | tee -a "$SUMMARY"; return; }
-  local side dir
+  ab_tree || { echo "[linearab] no A/B tree" | tee -a "$SUMMARY"; return; }
+  local side
   for side in new old; do
-    dir=$PWD; [ "$side" = old ] && dir=/tmp/abtree
-    run "linearab_$side" 240 $(in_tree "$dir") python3 benchmarks/kernels.py --ops linear --models 122B,397B \
+    run "linearab_$side" 240 $(ab_env $side) python3 benchmarks/kernels.py --ops linear --models 122B,397B \
       --tokens "${LIN_TOKENS:-1,16,256,1024,2048,8192}" --budget-s 200 --out "$OUT/linearab_$side.json"
   done
 }
@@ -425,11 +428,11 @@ stage_alignab() {  # the table's choice with this checkout's moe_align, with $AL
   # again; per-kernel times (--profile) at $ALIGN_TOKENS of the 122B and 397B layers; file names tagged $ALIGN_TAG
   local tag
   stage_aligntests
+  rm -rf /tmp/align_old && mkdir -p /tmp/align_old/nibble/kernels && cp "$ALIGN_OLD" /tmp/align_old/nibble/kernels/moe_align.py \
+    && ab_tree /tmp/align_old || { echo "[alignab] no A/B tree" | tee -a "$SUMMARY"; return; }
   for tag in new old new2; do
-    if [ $tag = old ]; then cp nibble/kernels/moe_align.py /tmp/align_new.py; cp "$ALIGN_OLD" nibble/kernels/moe_align.py; fi
-    run "alignab${ALIGN_TAG:-}_$tag" 200 python3 benchmarks/moe_bench.py --models 122B,397B \
+    run "alignab${ALIGN_TAG:-}_$tag" 200 $(ab_env $tag) python3 benchmarks/moe_bench.py --models 122B,397B \
       --tokens "${ALIGN_TOKENS:-32,128,256,512,1024,4096}" --only '^auto$' --profile --out "$OUT/alignab${ALIGN_TAG:-}_$tag.json"
-    if [ $tag = old ]; then cp /tmp/align_new.py nibble/kernels/moe_align.py; fi
   done
 }
 stage_attntests() { NIBBLE_TEST_GPU=1 run attntests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "attention or store_kv or select_kernels" -p no:cacheprovider -rf; }

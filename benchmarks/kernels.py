@@ -52,7 +52,7 @@ ATTN = {"hq": 32, "hk": 2, "d": 256}
 GDN = {"hk": 16, "hv": 64, "dk": 128, "dv": 128, "conv": 2 * 16 * 128 + 64 * 128, "width": 4}
 DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL = (2048, 8192)
-OPS = {"moe", "linear", "attention", "verify", "gdn", "norm"}
+OPS = ("moe", "linear", "attention", "verify", "gdn", "norm")
 VERIFY = {"batch": (1, 8, 32), "ctx": (1024, 16384), "n": 3}  # speculative decoding: last token + 2 drafts
 
 
@@ -449,14 +449,13 @@ def main() -> None:
     ap.add_argument("--sweep-linear", action="store_true", help="time nvfp4_linear configurations (122B) instead")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining cases after this many seconds")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--ops", default="moe,linear,attention,verify,gdn,norm",
-                    help="comma-separated subset of moe,linear,attention,verify,gdn,norm to time")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} to time")
     ap.add_argument("--models", default="", help="comma-separated subset of 122B,397B (default: by --quick)")
     ap.add_argument("--tokens", default="", help="token counts for moe and linear (default: by --quick)")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
-    if ops - OPS:
-        sys.exit(f"--ops: unknown {sorted(ops - OPS)}; choose from {sorted(OPS)}")
+    if ops - set(OPS):
+        sys.exit(f"--ops: unknown {sorted(ops - set(OPS))}; choose from {','.join(OPS)}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     b = Bench(float("inf") if args.full else args.budget_s, args.reps)
