@@ -193,9 +193,6 @@ def gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k,
     acc1 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([2 * BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
-    # a K loop the compiler must allow to run zero times leaves the zeroed accumulators on a path around it, and
-    # ptxas then serialises the loop's wgmma (advisory C7515: the perm tiles of prefill did so)
-    tl.assume(hidden > 0)
     for k0 in range(0, hidden, BLOCK_K):
         q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, n0, k0, hidden, 2 * BLOCK_N, BLOCK_K, EVEN_K, TMA,
                             True)
@@ -263,7 +260,6 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     acc1 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, NCOL if XMODE == 0 else 16], tl.float32)
-    tl.assume(inter > 0)  # as in gate_up_slice
     for k0 in range(0, inter, BLOCK_K):
         q, s = _weight_tile(q_rows, s_rows, q_desc, s_desc, e, tl.program_id(1) * BLOCK_N, k0, inter, BLOCK_N,
                             BLOCK_K, EVEN_K, TMA, False)

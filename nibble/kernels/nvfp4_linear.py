@@ -76,10 +76,6 @@ def _w4_linear_kernel(x_ptr, q_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, n_tok, n_out,
     acc1 = tl.zeros([BLOCK_N, SLOTS * REP if XMODE == 0 else 16], tl.float32)
     acc2 = tl.zeros([BLOCK_N, SLOTS * REP if XMODE == 0 else 16], tl.float32)
     acc3 = tl.zeros([BLOCK_N, SLOTS * REP if XMODE == 0 else 16], tl.float32)
-    # no split is empty (`_split_k`): telling the compiler so removes the zero-trip path, whose zeroed
-    # accumulators made ptxas serialise the loop's wgmma (advisory C7515)
-    tl.assume(n_kz > 0)
-    tl.assume(k_chunk > 0)
     for k0 in range(0, tl.minimum(n_kz, k_chunk), BLOCK_K):
         q, s = w4_tile(q_rows, s_rows, k0, n_kz, BLOCK_K, EVEN_K)
         acc0, acc1, acc2, acc3 = w4_k_step(q, s, b_ptr, valid, k0, n_kz, acc0, acc1, acc2, acc3, n_k // 4, XMODE,
