@@ -269,7 +269,7 @@ stage_moejson() {  # the table's choice against named tuning overrides from a js
 # the same again, into moejsonb.*, or another set: $MOE_VARIANTS_B / $MOE_TOKENS_B / $MOE_MODELS_B where set
 stage_moejsonb() {
   MOE_TAG=b MOE_VARIANTS=${MOE_VARIANTS_B:-$MOE_VARIANTS} MOE_TOKENS=${MOE_TOKENS_B:-$MOE_TOKENS} \
-    MOE_MODELS=${MOE_MODELS_B:-${MOE_MODELS:-122B,397B,35B}} stage_moejson
+    MOE_MODELS=${MOE_MODELS_B:-${MOE_MODELS:-}} stage_moejson
 }
 ab_tree() {  # a copy of this checkout at /tmp/abtree with the files under $1 (default $AB_OLD, else .bench_assets/old)
   # laid over it: the "before" side of an A/B timing of a kernel change, run in the same call as the "after" side;

@@ -454,8 +454,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="", help="token counts for moe and linear (default: by --quick)")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
-    if ops - set(OPS):
-        sys.exit(f"--ops: unknown {sorted(ops - set(OPS))}; choose from {','.join(OPS)}")
+    unknown = ops - set(OPS)
+    if unknown:
+        sys.exit(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     b = Bench(float("inf") if args.full else args.budget_s, args.reps)
