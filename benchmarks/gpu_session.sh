@@ -139,6 +139,10 @@ stage_moeauto() {  # the tuning table's choice only (with the shift decode besid
   run moeauto 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
     --only '^auto(:shift-decode)?$' --out "$OUT/moeauto.json"
 }
+stage_moepdlsmall() {  # the table's choice with and without PDL / the L2 prefetches at 1-4 tokens (the latency-bound sizes)
+  run moepdlsmall 150 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4 --reps 20 --profile \
+    --only '^auto(:no-pdl|:dn-prefetch|:gu-prefetch)?$' --out "$OUT/moepdlsmall.json"
+}
 stage_moepdl() {  # the table's choice with and without PDL / L2 prefetch, decode sizes of both big layers
   run moepdl 330 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 1,2,4,8,16,32,64,128,256 \
     --only '^auto(:no-pdl|:dn-prefetch|:gu-prefetch|:no-dn-prefetch)?$' \
@@ -199,6 +203,9 @@ stage_moepairtile() {  # quad-4 / quad-8 / split-16 tiles with DEC 4 at 2-8 pair
   run moepairtile 300 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 64,128,256 --sweep \
     --only "^srt:quad4/gu32x256w4s4/dn64x256w4s4$|^srt:quad8/gu32x256w4s4/dn64x256w4s4$|^srt:split16/gu(64x256w8|32x256w4)s4/dn64x256w4s4$" \
     --out "$OUT/moepairtile.json"
+}
+stage_isarates() {  # issue rates of the decode's SASS instructions and of the decodes alone (benchmarks/isa_rates.py)
+  run isarates 120 python3 benchmarks/isa_rates.py --out "$OUT/isarates.json"
 }
 stage_moeprobe() {  # where the time of a small-T layer goes (benchmarks/moe_probe.py)
   run moeprobe 150 python3 benchmarks/moe_probe.py --models 122B,397B --tokens 1,2,4
