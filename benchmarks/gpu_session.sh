@@ -431,6 +431,16 @@ stage_ncudn() {  # the 122B layer's expert kernels at 128 and 256 tokens, where 
   run moeprofdn 120 python3 benchmarks/moe_bench.py --models 122B,397B --tokens 96,128,192,256 --only '^auto$' --profile \
     --out "$OUT/moeprofdn.json"
 }
+stage_ncustall() {  # the 122B layer's expert kernels at 1 and 256 tokens: stall reasons per issued instruction and pipe use
+  local t
+  for t in 1 256; do
+    run ncustall_t$t 120 ncu --clock-control none --kernel-name regex:moe_w4 --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section InstructionStats --print-details all \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
+  done
+}
 stage_aligntests() {
   NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
 }
