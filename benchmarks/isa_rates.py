@@ -6,10 +6,12 @@ kernels where they are instruction bound (docs/benchmarks.md: the H200 at 96-512
     python benchmarks/isa_rates.py [--out rates.json] [--iters 2048]
     python benchmarks/isa_rates.py --sass-only      # offline: print each kernel's loop SASS mix (no GPU)
 
-Each kernel keeps 4 independent dependency chains per thread and runs one wave of as many 4-warp programs
-per SM as fit (16 when registers allow: 64 warps), so latency is hidden and only throughput counts. The clock
-comes from `%clock64` read by every program, so the rates are per SM clock whatever the boost. Per test: the
-SASS opcodes (--sass-only shows them, so that a folded or split instruction is seen) and the rate.
+Each kernel keeps 4 independent dependency chains per thread and runs 16 4-warp programs per SM, so latency is
+hidden and only throughput counts. Rates are the kernel's work per SM over its elapsed time in SM clocks, the
+clock taken from the programs' own `%clock64` and `%globaltimer` spans, so they hold whatever the boost and however
+many programs an SM holds at once (the first version divided by one program's clock span, which ran high by the
+number of program waves). Per test: the SASS opcodes (--sass-only shows them, so that a folded or split
+instruction is seen) and the rate.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ DECODES = {
 
 
 @triton.jit
-def _rate_kernel(out_ptr, clk_ptr, c, d, iters, ASM: tl.constexpr, BLOCK: tl.constexpr):
+def _rate_kernel(out_ptr, span_ptr, c, d, iters, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """Runs `iters` asm blocks; span_ptr[2 * pid] / [2 * pid + 1]: the program's span in SM clocks (%clock64)
+    and in ns (%globaltimer), whose ratio is the SM clock."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     r0 = offs * 747796405 + pid
@@ -103,14 +107,18 @@ def _rate_kernel(out_ptr, clk_ptr, c, d, iters, ASM: tl.constexpr, BLOCK: tl.con
     r3 = r0 ^ 0x7F4A7C15
     cc = r0 * 0 + c
     dd = r0 * 0 + d
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    c0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    g0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     for _ in range(iters):
         r0, r1, r2, r3 = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [r0, r1, r2, r3, cc, dd],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
                                                    pack=1)
-    t1 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [r0], dtype=tl.int64, is_pure=False, pack=1)
+    c1 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [r0], dtype=tl.int64, is_pure=False, pack=1)
+    g1 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [r0], dtype=tl.int64, is_pure=False,
+                                   pack=1)
     tl.store(out_ptr + pid * BLOCK + offs, r0 ^ r1 ^ r2 ^ r3)
-    tl.store(clk_ptr + pid, tl.max(t1 - t0, axis=0))
+    tl.store(span_ptr + 2 * pid, tl.max(c1 - c0, axis=0))
+    tl.store(span_ptr + 2 * pid + 1, tl.max(g1 - g0, axis=0))
 
 
 def _tests() -> dict[str, tuple[str, int]]:
@@ -124,34 +132,33 @@ def _tests() -> dict[str, tuple[str, int]]:
 def run(iters: int, out: str | None) -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    block = 128
-    res = {"device": torch.cuda.get_device_name(dev), "sms": sms, "warps_per_program": 4, "rates": {}}
-    buf = torch.empty(16 * sms * block, dtype=torch.int32, device=dev)
-    clk = torch.empty(16 * sms, dtype=torch.int64, device=dev)
+    block, per_sm = 128, 16
+    programs = per_sm * sms
+    res = {"device": torch.cuda.get_device_name(dev), "sms": sms, "warps_per_program": 4,
+           "programs_per_sm": per_sm, "rates": {}}
+    buf = torch.empty(programs * block, dtype=torch.int32, device=dev)
+    span = torch.empty(2 * programs, dtype=torch.int64, device=dev)
     c, d = 0x3C003C00, 0x00010001  # fp16 pair 1.0 / tiny: the chains' values stay finite enough
     for name, (asm, per_iter) in _tests().items():
-        k = _rate_kernel[(1,)](buf, clk, c, d, iters, ASM=asm, BLOCK=block, num_warps=4)
-        # one wave: as many programs per SM as the registers let be resident (at most 16, 64 warps), so that
-        # every program's clock span is the kernel's
-        per_sm = max(1, min(16, 65536 // (max(k.n_regs, 1) * block)))
-        programs = per_sm * sms
-        for _ in range(2):  # warm the clocks
-            _rate_kernel[(programs,)](buf, clk, c, d, iters, ASM=asm, BLOCK=block, num_warps=4)
+        for _ in range(2):  # compile, warm the clocks
+            k = _rate_kernel[(programs,)](buf, span, c, d, iters, ASM=asm, BLOCK=block, num_warps=4)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _rate_kernel[(programs,)](buf, clk, c, d, iters, ASM=asm, BLOCK=block, num_warps=4)
+        _rate_kernel[(programs,)](buf, span, c, d, iters, ASM=asm, BLOCK=block, num_warps=4)
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end)
-        cycles = float(clk[:programs].float().median())
-        per_sm_clk = per_sm * 4 * iters * per_iter / cycles
-        ghz = cycles / (ms * 1e6)
-        res["rates"][name] = {"per_sm_per_clk": round(per_sm_clk, 3), "cycles": cycles, "ms": round(ms, 4),
-                              "clock_ghz_est": round(ghz, 3), "programs_per_sm": per_sm, "regs": k.n_regs}
+        cycles, ns = (float(v) for v in span.view(-1, 2).double().median(dim=0).values)
+        ghz = cycles / ns
+        # whatever number of programs an SM holds at once, it runs per_sm of them in the kernel's time: the rate
+        # is their work over the kernel's time in SM clocks (the clock from the programs' own spans)
+        per_sm_clk = per_sm * 4 * iters * per_iter / (ms * 1e6 * ghz)
+        res["rates"][name] = {"per_sm_per_clk": round(per_sm_clk, 3), "ms": round(ms, 4), "clock_ghz": round(ghz, 3),
+                              "program_waves": round(ms * 1e6 / ns, 2), "regs": k.n_regs}
         unit = "weights" if name in DECODES else "warp instr"
-        print(f"{name:18s} {per_sm_clk:8.2f} {unit}/SM/clk   ({ms:.3f} ms, {cycles:.0f} cycles, ~{ghz:.2f} GHz, "
-              f"{per_sm} programs/SM, {k.n_regs} regs)")
+        print(f"{name:18s} {per_sm_clk:8.2f} {unit}/SM/clk   ({ms:.3f} ms at {ghz:.2f} GHz, "
+              f"{ms * 1e6 / ns:.2f} program spans, {k.n_regs} regs)")
     if out:
         Path(out).write_text(json.dumps(res, indent=1))
 
@@ -169,7 +176,7 @@ def sass_only() -> None:
     driver.set_active(StandInDriver(90))
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     for name, (asm, per_iter) in _tests().items():
-        k = _rate_kernel.warmup(torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.int64), 0x3C003C00,
+        k = _rate_kernel.warmup(torch.empty(1, dtype=torch.int32), torch.empty(2, dtype=torch.int64), 0x3C003C00,
                                 0x10001, 2048, ASM=asm, BLOCK=128, num_warps=4, grid=(1,))
         cub = Path("/tmp/isa_rates.cubin")
         cub.write_bytes(k.asm["cubin"])
