@@ -37,7 +37,7 @@ Tuning fields `gu_tma` / `dn_tma` (per tile, `lg_` for the mixed path's second) 
 Hopper tensor descriptors (tma.py): on the H200 in the split-16 gate_up (1-4.5% less time at 256-512 tokens) and
 the prefill tiles (11-17% less at 1024-8192, 122B T=2048 1.50 ms), not in the per-pair and quad-4 gate_up tiles
 (3-13% slower); down's units also in the 4-warp split-16 / 32-slot tiles and the 122B's mixed quad-4 entry, whose
-pointer loads left down waiting on memory (on an H100: 4-9% less layer time at 128-512 tokens).
+pointer loads left down waiting on memory (on an H100: 3-9% less layer time at 128-512 tokens).
 Past 512 tokens the block size follows the pairs per expert, not the token count (default.json too): 64-slot
 prefill blocks run one-third to half full at 12-28 pairs per expert, so split-16 blocks take up to 16 and split-32
 up to 28, the latter with a 256-row down tile (on an H100: 13-25% faster at 576-896 tokens of the 122B and 35B
