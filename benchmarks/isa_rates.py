@@ -9,9 +9,8 @@ kernels where they are instruction bound (docs/benchmarks.md: the H200 at 96-512
 Each kernel keeps 4 independent dependency chains per thread and runs 16 4-warp programs per SM, so latency is
 hidden and only throughput counts. Rates are the kernel's work per SM over its elapsed time in SM clocks, the
 clock taken from the programs' own `%clock64` and `%globaltimer` spans, so they hold whatever the boost and however
-many programs an SM holds at once (the first version divided by one program's clock span, which ran high by the
-number of program waves). Per test: the SASS opcodes (--sass-only shows them, so that a folded or split
-instruction is seen) and the rate.
+many programs an SM holds at once (one program's span alone would count each wave of programs once). Per test:
+the SASS opcodes (--sass-only shows them, so that a folded or split instruction is seen) and the rate.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ REPS = 8  # ops per chain in one asm block
 def _chain(op: str) -> str:
     """PTX: REPS applications of `op` (with R for the chain register, C / D for the two constants) to each
     of the 4 chains $0..$3 (inputs $4..$7, constants $8, $9)."""
-    lines = ["{", ".reg .b16 l, h;", ".reg .b32 t0, t1, t2, t3;"] + [f"mov.b32 ${i}, ${i + 4};" for i in range(4)]
+    lines = ["{", ".reg .b16 l, h;"] + [f"mov.b32 ${i}, ${i + 4};" for i in range(4)]
     for _ in range(REPS):
         for i in range(4):
             lines.append(op.replace("R", f"${i}").replace("C", "$8").replace("D", "$9"))
