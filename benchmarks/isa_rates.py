@@ -30,18 +30,9 @@ from nibble.kernels.fp4_tiles import _decode_asm, _decode_cvt_asm
 REPS = 8  # ops per chain in one asm block
 
 
-def _chain(op: str) -> str:
-    """PTX: REPS applications of `op` (with R for the chain register, C / D for the two constants) to each
-    of the 4 chains $0..$3 (inputs $4..$7, constants $8, $9)."""
-    lines = ["{", ".reg .b16 l, h;"] + [f"mov.b32 ${i}, ${i + 4};" for i in range(4)]
-    for _ in range(REPS):
-        for i in range(4):
-            lines.append(op.replace("R", f"${i}").replace("C", "$8").replace("D", "$9"))
-    return "\n".join([*lines, "}"])
-
-
 def _mix(op_a: str, op_b: str) -> str:
-    """Chains 0, 2 run op_a and chains 1, 3 op_b, REPS each."""
+    """PTX: REPS applications of an op (R for the chain register, C / D for the two constants) to each of the 4
+    chains $0..$3 (inputs $4..$7, constants $8, $9): op_a on chains 0 and 2, op_b on chains 1 and 3."""
     lines = ["{", ".reg .b16 l, h;"] + [f"mov.b32 ${i}, ${i + 4};" for i in range(4)]
     for _ in range(REPS):
         for i in range(4):
@@ -122,7 +113,7 @@ def _rate_kernel(out_ptr, span_ptr, c, d, iters, ASM: tl.constexpr, BLOCK: tl.co
 
 def _tests() -> dict[str, tuple[str, int]]:
     """name -> (asm, per warp and iteration: warp instructions of the tested kind; for decodes, weights)."""
-    t = {name: (_chain(op), 4 * REPS) for name, op in OPS.items()}
+    t = {name: (_mix(op, op), 4 * REPS) for name, op in OPS.items()}
     t.update({name: (_mix(a, b), 4 * REPS) for name, (a, b) in MIXES.items()})
     t.update({name: (_decode_block(asm), 4 * REPS * 8 * 32) for name, asm in DECODES.items()})
     return t
@@ -166,20 +157,16 @@ def sass_only() -> None:
     """Compile every test for sm_90 without a GPU and print the loop's opcode counts (nvdisasm)."""
     import collections
     import re
-    import subprocess
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-    from compile_offline import StandInDriver
+    from compile_offline import StandInDriver, disassemble
     from triton.runtime import driver
 
     driver.set_active(StandInDriver(90))
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     for name, (asm, per_iter) in _tests().items():
         k = _rate_kernel.warmup(torch.empty(1, dtype=torch.int32), torch.empty(2, dtype=torch.int64), 0x3C003C00,
                                 0x10001, 2048, ASM=asm, BLOCK=128, num_warps=4, grid=(1,))
-        cub = Path("/tmp/isa_rates.cubin")
-        cub.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(nvdisasm), "-c", str(cub)], capture_output=True, text=True).stdout
+        sass = disassemble(k)
         seq, labels = [], {}
         for line in sass.splitlines():
             s = line.strip()

@@ -277,27 +277,33 @@ def _scan_ptxas(kernels: list[tuple[str, object, str]]) -> None:
     print("\n".join(hits))
 
 
-def _scan_sass(kernels: list[tuple[str, object, str]]) -> None:
-    """Print each distinct kernel whose SASS holds GPU- or system-scope memory barriers (MEMBAR.*GPU / SYS; the
-    CTA-scope ones that order shared memory for wgmma and TMA are left out) or local-memory spills (LDL, STL),
-    with the counts, the first launch that compiled it and how many launches did."""
-    import re
+def disassemble(kernel) -> str:
+    """SASS text of a compiled Triton kernel (its cubin through Triton's bundled nvdisasm)."""
     import subprocess
     import tempfile
 
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    found: dict[int, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
-        for name, kernel, label in kernels:
-            if id(kernel) not in found:
-                cubin.write_bytes(kernel.asm["cubin"])
-                sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout
-                counts = (len(re.findall(r"MEMBAR\.\S*(?:GPU|SYS)", sass)), sass.count("LDL"), sass.count("STL"))
-                found[id(kernel)] = [name, counts, label, 0]
-            found[id(kernel)][3] += 1
+        cubin.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout
+
+
+def _scan_sass(kernels: list[tuple[str, object, str]]) -> None:
+    """Print each distinct kernel whose SASS holds GPU- or system-scope memory barriers (MEMBAR.*GPU / SYS; the
+    CTA-scope ones that order shared memory for wgmma and TMA are left out) or local-memory spills (LDL, STL),
+    with the counts, the first launch that compiled it and how many launches did."""
+    import re
+
+    found: dict[int, list] = {}
+    for name, kernel, label in kernels:
+        if id(kernel) not in found:
+            sass = disassemble(kernel)
+            counts = (len(re.findall(r"MEMBAR\.\S*(?:GPU|SYS)", sass)), sass.count("LDL"), sass.count("STL"))
+            found[id(kernel)] = [name, counts, label, 0]
+        found[id(kernel)][3] += 1
     hits = [f"  {name}: MEMBAR.GPU/SYS {m} LDL {ldl} STL {stl}, {n} launches, first: {label}"
             for name, (m, ldl, stl), label, n in found.values() if m or ldl or stl]
     print(f"\nSASS: {len(found)} distinct kernels, {len(hits)} with GPU-scope barriers or spills")
