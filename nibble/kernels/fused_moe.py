@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
-from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
+from nibble.kernels._triton import cdiv, dot_precision, triton
 from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode, fp4_units, tile_for_dec
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align, moe_align_split
@@ -234,7 +234,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
+            BLOCK_K=dbk, X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
             **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
@@ -280,7 +280,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 act, u2, s2, g2, y, out, y, tw[c0:c1], flat, al.sorted_ids, al.block_expert, h, inter, act.stride(0),
                 sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=tile["xmode"],
                 FUSED_SUM=False, DEC=dec, EVEN_K=inter % tile["dbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["dbn"],
-                BLOCK_K=tile["dbk"], ON_GPU=not interpreting(), X_SHIFT=xsh, PDL_TRIGGER=pdl,
+                BLOCK_K=tile["dbk"], X_SHIFT=xsh, PDL_TRIGGER=pdl,
                 num_warps=tile["dwarps"], num_stages=tile["d_stages"],
                 **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}),
                 **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))

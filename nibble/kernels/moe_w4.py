@@ -212,7 +212,7 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                        block_expert_ptr, hidden, inter, stride_at, stride_qe, stride_qn, stride_se, stride_sn,
                        stride_yt, stride_ot, TOP_K: tl.constexpr, SORTED: tl.constexpr,
                        XMODE: tl.constexpr, FUSED_SUM: tl.constexpr, DEC: tl.constexpr, EVEN_K: tl.constexpr,
-                       SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_GPU: tl.constexpr,
+                       SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
                        PDL_TRIGGER: tl.constexpr = False, q_desc=None, s_desc=None, TMA: tl.constexpr = 0):
     """y[pair, n] = topk_w[pair] * (act[pair] . w2[e, n]) for the block's pairs and BLOCK_N hidden features
@@ -271,10 +271,9 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
     tl.store(y_ptr + pr.to(tl.int64)[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=(n < hidden)[:, None] & ok[None, :])
     if FUSED_SUM:
-        # every thread fences its y stores at GPU scope (classic "threadfence reduction"), the barrier orders
-        # them before the single counter update; the winner reads the other rows after its acquire, past L1
-        if ON_GPU:
-            _fence_gpu()
+        # the barrier orders every thread's y stores before the one counter update, whose release at GPU scope
+        # is cumulative (the pattern of cooperative groups' grid sync: a block barrier, then one thread's
+        # release), so no thread fences on its own; the winner reads the other rows after its acquire, past L1
         tl.debug_barrier()
         sem = sem_ptr + t * tl.num_programs(1) + tl.program_id(1)
         done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
@@ -287,13 +286,6 @@ def moe_w4_down_kernel(act_ptr, q_ptr, s_ptr, g_ptr, y_ptr, out_ptr, sem_ptr, to
                                  other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(out_ptr.dtype.element_ty), mask=n < hidden)
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu in every thread (inline PTX: GPU only)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
