@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
-from nibble.kernels._triton import cdiv, dot_precision, triton
+from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
 from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode, fp4_units, tile_for_dec
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align, moe_align_split
@@ -208,8 +208,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         if mode not in DN_MODES:
             raise ValueError(f"fused_moe: tuning field dn_mode {mode!r} is not one of {DN_MODES}")
         gbn, gbk, dbn, dbk = base["gbn"], base["gbk"], base["dbn"], base["dbk"]
-        gkw = {"num_warps": base["gwarps"], "num_stages": base["g_stages"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
-        dkw = {"num_warps": base["dwarps"], "num_stages": base["d_stages"]}
+        gkw = {**base["glaunch"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
+        dkw = base["dlaunch"]
         flat = ids.view(-1)
         xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
@@ -272,16 +272,15 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 xs, u13, s13, g13, act, flat, al.sorted_ids, al.block_expert, top_k, h, inter, xs.stride(0), sq13e,
                 sq13n, st13[2], st13[3], act.stride(0), SORTED=True, XMODE=tile["xmode"], ACT_PERM=xmode == PERM,
                 ACT_PAIRS=dec == 4, DEC=dec, EVEN_K=h % tile["gbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["gbn"],
-                BLOCK_K=tile["gbk"], X_SHIFT=xsh, num_warps=tile["gwarps"], num_stages=tile["g_stages"],
-                PREFETCH=gu_pf, PDL_TRIGGER=pdl, **_pdl_launch(pdl and buf is not None and i == 0),
+                BLOCK_K=tile["gbk"], X_SHIFT=xsh, **tile["glaunch"], PREFETCH=gu_pf, PDL_TRIGGER=pdl,
+                **_pdl_launch(pdl and buf is not None and i == 0),
                 **_tma_args(tile["gtma"], u13, s13, tile["gbn"], tile["gbk"], True))
         for i, (tile, al) in enumerate(zip(tiles, als)):
             moe_w4_down_kernel[(al.max_blocks, cdiv(h, tile["dbn"]))](
                 act, u2, s2, g2, y, out, y, tw[c0:c1], flat, al.sorted_ids, al.block_expert, h, inter, act.stride(0),
                 sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=tile["xmode"],
                 FUSED_SUM=False, DEC=dec, EVEN_K=inter % tile["dbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["dbn"],
-                BLOCK_K=tile["dbk"], X_SHIFT=xsh, PDL_TRIGGER=pdl,
-                num_warps=tile["dwarps"], num_stages=tile["d_stages"],
+                BLOCK_K=tile["dbk"], X_SHIFT=xsh, PDL_TRIGGER=pdl, **tile["dlaunch"],
                 **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}),
                 **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
@@ -298,7 +297,9 @@ def _xmode(cfg: dict[str, Any], prefix: str) -> int:
 def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dict[str, Any]:
     """The gate_up and down tiles from the tuning fields under `prefix`, with the sorted path's x mode and
     token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
-    tokens otherwise) and the TMA levels of their weight loads (`gu_tma`, `dn_tma`: 0 = off, see `_tma_args`)."""
+    tokens otherwise), the TMA levels of their weight loads (`gu_tma`, `dn_tma`: 0 = off, see `_tma_args`) and their
+    launch options (warps, pipeline stages, and `gu_maxnreg` / `dn_maxnreg`: a cap on registers per thread, so that
+    more programs fit an SM where registers bound them; default none)."""
     xmode = _xmode(cfg, prefix)
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT
@@ -309,9 +310,16 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
     # so the block is at most half of I (20-50% faster at tp 8, 4-9% at tp 4, H100; full layers unchanged)
     dbk = min(dbk, max(64, triton.next_power_of_2(inter) // 2))
     return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
-            "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "g_stages": g_stages, "gwarps": cfg[f"{prefix}gu_warps"],
-            "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk, "d_stages": d_stages, "dwarps": cfg[f"{prefix}dn_warps"],
+            "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk,
+            "glaunch": _launch(cfg[f"{prefix}gu_warps"], g_stages, cfg.get(f"{prefix}gu_maxnreg")),
+            "dlaunch": _launch(cfg[f"{prefix}dn_warps"], d_stages, cfg.get(f"{prefix}dn_maxnreg")),
             "gtma": int(cfg.get(f"{prefix}gu_tma", 0)), "dtma": int(cfg.get(f"{prefix}dn_tma", 0))}
+
+
+def _launch(warps: int, stages: int, maxnreg: int | None) -> dict[str, Any]:
+    """A kernel's launch options; the register cap only where ptxas compiles (not under the interpreter)."""
+    cap = {"maxnreg": int(maxnreg)} if maxnreg and not interpreting() else {}
+    return {"num_warps": warps, "num_stages": stages, **cap}
 
 
 def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:

@@ -580,7 +580,7 @@ def _replayed(launches: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("t", [1, 6, 64, 300])
 def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
-    """PDL launches and L2 prefetch change timing only: bitwise the same outputs as plain launches, for
+    """PDL launches, L2 prefetch and register caps change timing only: bitwise the same outputs as plain launches, for
     calls back to back whose inputs change in between (a missing or misplaced wait would read the previous
     call's activations), eagerly and replayed from a CUDA graph."""
     if torch.cuda.get_device_capability() >= (9, 0):
@@ -593,7 +593,7 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
         w, ids = route_ref(torch.randn(t, e, device=DEV), k)
         calls.append((torch.randn(t, h, device=DEV, dtype=BF16), w, ids))
     variants = ({"pdl": True, "gu_prefetch": True, "dn_prefetch": True}, {"pdl": True, "dn_prefetch": False},
-                {"pdl": False, "gu_prefetch": True})
+                {"pdl": False, "gu_prefetch": True}, {"pdl": True, "gu_maxnreg": 80, "dn_maxnreg": 80})
     for path in ("gemv", "sorted", "mixed"):
         extra = MIXED if path == "mixed" else {}
         path = "sorted" if path == "mixed" else path

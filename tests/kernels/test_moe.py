@@ -208,6 +208,22 @@ def test_down_k_block_at_most_half_the_intermediate_size(inter: int, table_k: in
     assert fm._tile(cfg, "", 1, 4096, inter)["dbk"] == launched_k
 
 
+def test_register_caps_reach_the_launch_only_where_ptxas_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning fields `gu_maxnreg` / `dn_maxnreg` (and the mixed path's `lg_` ones) become Triton's `maxnreg`
+    launch option of gate_up / down; absent, or under the interpreter, no cap is passed."""
+    import nibble.kernels.fused_moe as fm
+
+    cfg = fm.lookup("fused_moe", "cpu", fm.tuning_key(2, 3072, 1024, 256, 8, True))
+    cfg.update({"gu_maxnreg": 80, "lg_dn_maxnreg": 96})
+    monkeypatch.setattr(fm, "interpreting", lambda: False)
+    tile, large = fm._tile(cfg, "", 3, 3072, 1024), fm._tile(cfg, "lg_", 3, 3072, 1024)
+    assert tile["glaunch"]["maxnreg"] == 80 and "maxnreg" not in tile["dlaunch"]
+    assert large["dlaunch"]["maxnreg"] == 96 and "maxnreg" not in large["glaunch"]
+    assert tile["glaunch"]["num_warps"] == cfg["gu_warps"] and tile["dlaunch"]["num_warps"] == cfg["dn_warps"]
+    monkeypatch.setattr(fm, "interpreting", lambda: True)
+    assert "maxnreg" not in fm._tile(cfg, "", 3, 3072, 1024)["glaunch"]
+
+
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("path,t,cfg", [
     ("gemv", 3, {"dn_mode": "fused"}), ("gemv", 2, {"xmode": "split", "dn_block_k": 128}),
