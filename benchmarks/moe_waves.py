@@ -20,9 +20,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,49 +44,6 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> tuple[int, str]:
     return limits[bound], bound
 
 
-def _registers(kernel: Any) -> tuple[int, int]:
-    """(registers per thread, stack bytes per thread) of a compiled kernel."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    found = {w.split(":")[0]: int(w.split(":")[1]) for w in out.split() if w.startswith(("REG:", "STACK:"))}
-    if "REG" not in found:
-        raise RuntimeError(f"no register count in cuobjdump's output: {out[:200]}")
-    return found["REG"], found.get("STACK", 0)
-
-
-def _capture(on_launch) -> None:
-    """From now on every Triton launch compiles (for the stand-in driver's target) instead of running, and
-    `on_launch(name, compiled kernel, grid)` is told of it."""
-    from triton.runtime.jit import JITFunction
-
-    run = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        on_launch(self.fn.__name__, kernel, tuple(grid) if isinstance(grid, (tuple, list)) else grid)
-        return kernel
-
-    JITFunction.run = compile_only
-
-
-def _table_lookup(gpu: str):
-    """`tuning_tables.lookup` as on a sm_90 GPU whose table is named `gpu`."""
-    from nibble.kernels import tuning_tables as tt
-
-    def lookup(op: str, _device: Any, key: dict[str, Any]) -> dict[str, Any]:
-        cfg = tt._first(tt._table("default"), op, key)
-        for name in tt._resolve(gpu, (9, 0)):
-            cfg.update(tt._first(tt._table(name), op, key))
-        return cfg
-
-    return lookup
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="nvidia_h200", help="tuning table name (nibble/kernels/tuning/<gpu>.json)")
@@ -99,17 +54,19 @@ def main() -> int:
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET")
-    from compile_offline import StandInDriver, zero_nvfp4
+    from compile_offline import StandInDriver, compile_without_launch, resource_usage, zero_nvfp4
     from moe_bench import spec
     from triton.runtime import driver
 
     driver.set_active(StandInDriver(90))
     launches: list[tuple[str, Any, Any]] = []
-    _capture(lambda name, kernel, grid: launches.append((name, kernel, grid)))
+    compile_without_launch(lambda name, kernel, grid: launches.append((name, kernel, grid)), with_grid=True)
     from nibble.kernels import fused_moe as fm
+    from nibble.kernels import tuning_tables as tt
     from nibble.kernels.moe import MoEWeights, topk_counters
 
-    fm.lookup = _table_lookup(args.gpu)
+    tables = tt.named_tables(args.gpu, (9, 0))  # what an sm_90 GPU of that name lays over default.json
+    fm.lookup = lambda op, _device, key: tt.lookup_tables(op, tables, key)
     fm.pdl_supported = fm.tma_supported = lambda _d: True
     # an sm_90 GPU's decode choice: the e4m3 converter where the table leaves `cvt_decode` on
     fm.decode_mode = lambda dtype, device=None: 3 if device is not None else 1
@@ -130,7 +87,8 @@ def main() -> int:
                                     config=extra)
                 for kname, kernel, grid in launches:
                     if id(kernel) not in regs_of:
-                        regs_of[id(kernel)] = _registers(kernel)
+                        use = resource_usage(kernel)
+                        regs_of[id(kernel)] = use["REG"], use.get("STACK", 0)
                     (regs, stack), md = regs_of[id(kernel)], kernel.metadata
                     per_sm, bound = programs_per_sm(regs, md.shared, md.num_warps)
                     total = math.prod(grid) if isinstance(grid, tuple) else 0

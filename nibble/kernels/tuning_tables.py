@@ -76,7 +76,13 @@ def table_names() -> list[str]:
 def device_tables(device: torch.device | str) -> tuple[str, ...]:
     """Names of the tables laid over default.json on `device`, the device's own last (see the module
     docstring); empty: default.json alone."""
-    return _resolve(device_key(device), capability(device))
+    return named_tables(device_key(device), capability(device))
+
+
+def named_tables(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
+    """`device_tables` of a GPU whose table is named `name` (a `device_key`) and whose compute capability is
+    `cap`, with no such GPU present (offline tools)."""
+    return _resolve(name, cap)
 
 
 def capability_key(cap: tuple[int, int] | None) -> str | None:
@@ -104,7 +110,11 @@ def _resolve(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
 
 def lookup(op: str, device: torch.device | str, key: dict[str, Any]) -> dict[str, Any]:
     """Configuration of `op` for a shape `key` on `device` (a fresh dict the caller may modify)."""
-    tables = device_tables(device)
+    return lookup_tables(op, device_tables(device), key)
+
+
+def lookup_tables(op: str, tables: tuple[str, ...], key: dict[str, Any]) -> dict[str, Any]:
+    """`lookup` with the tables laid over default.json named (`device_tables`, `named_tables`)."""
     fields = frozenset(key)
     for name in ("default", *tables):
         _check_fields(name, op, fields)

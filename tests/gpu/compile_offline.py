@@ -59,16 +59,17 @@ class StandInDriver:
         return torch.cuda
 
 
-def compile_without_launch(on_compiled: Callable[[str, object], None]) -> None:
+def compile_without_launch(on_compiled: Callable[..., None], with_grid: bool = False) -> None:
     """From now on every Triton launch compiles its kernel (as a warm-up) instead of running it, and hands the
-    kernel's name and the compiled kernel to `on_compiled`. Set the stand-in driver first."""
+    kernel's name and the compiled kernel to `on_compiled` (with_grid: and the launch's grid, a third argument).
+    Set the stand-in driver first."""
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        on_compiled(self.fn.__name__, kernel)
+        on_compiled(self.fn.__name__, kernel, *((grid,) if with_grid else ()))
         return kernel
 
     JITFunction.run = compile_only
@@ -277,18 +278,33 @@ def _scan_ptxas(kernels: list[tuple[str, object, str]]) -> None:
     print("\n".join(hits))
 
 
-def disassemble(kernel) -> str:
-    """SASS text of a compiled Triton kernel (its cubin through Triton's bundled nvdisasm)."""
+def _cubin_tool(kernel, tool: str, *args: str) -> str:
+    """Output of Triton's bundled CUDA tool `tool` run with `args` on a compiled kernel's cubin."""
     import subprocess
     import tempfile
 
     import triton
 
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    exe = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout
+        return subprocess.run([str(exe), *args, str(cubin)], capture_output=True, text=True).stdout
+
+
+def disassemble(kernel) -> str:
+    """SASS text of a compiled Triton kernel (its cubin through nvdisasm)."""
+    return _cubin_tool(kernel, "nvdisasm", "-c")
+
+
+def resource_usage(kernel) -> dict[str, int]:
+    """ptxas's resource use of a compiled Triton kernel ("REG", "STACK", "SHARED", ... per `cuobjdump
+    -res-usage`)."""
+    out = _cubin_tool(kernel, "cuobjdump", "-res-usage")
+    found = {w.split(":")[0]: int(w.split(":")[1]) for w in out.split() if ":" in w and w.split(":")[1].isdigit()}
+    if "REG" not in found:
+        raise RuntimeError(f"no register count in cuobjdump's output: {out[:200]}")
+    return found
 
 
 def _scan_sass(kernels: list[tuple[str, object, str]]) -> None:
