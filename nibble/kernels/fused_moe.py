@@ -299,7 +299,7 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
     token slots per block (the MMA's token side is at least 16 columns: 4 token slots in quad mode, 16
     tokens otherwise), the TMA levels of their weight loads (`gu_tma`, `dn_tma`: 0 = off, see `_tma_args`) and their
     launch options (warps, pipeline stages, and `gu_maxnreg` / `dn_maxnreg`: a cap on registers per thread, so that
-    more programs fit an SM where registers bound them; default none)."""
+    more programs fit an SM where registers bound them; 0 = no cap)."""
     xmode = _xmode(cfg, prefix)
     if xmode == PERM and (h % 4 or inter % 4):
         xmode = SPLIT
@@ -311,12 +311,12 @@ def _tile(cfg: dict[str, Any], prefix: str, dec: int, h: int, inter: int) -> dic
     dbk = min(dbk, max(64, triton.next_power_of_2(inter) // 2))
     return {"xmode": xmode, "slots": max(cfg[f"{prefix}block_t"], 4 if xmode == QUAD else 16),
             "gbn": cfg[f"{prefix}gu_block_n"], "gbk": gbk, "dbn": cfg[f"{prefix}dn_block_n"], "dbk": dbk,
-            "glaunch": _launch(cfg[f"{prefix}gu_warps"], g_stages, cfg.get(f"{prefix}gu_maxnreg")),
-            "dlaunch": _launch(cfg[f"{prefix}dn_warps"], d_stages, cfg.get(f"{prefix}dn_maxnreg")),
+            "glaunch": _launch(cfg[f"{prefix}gu_warps"], g_stages, cfg[f"{prefix}gu_maxnreg"]),
+            "dlaunch": _launch(cfg[f"{prefix}dn_warps"], d_stages, cfg[f"{prefix}dn_maxnreg"]),
             "gtma": int(cfg.get(f"{prefix}gu_tma", 0)), "dtma": int(cfg.get(f"{prefix}dn_tma", 0))}
 
 
-def _launch(warps: int, stages: int, maxnreg: int | None) -> dict[str, Any]:
+def _launch(warps: int, stages: int, maxnreg: int) -> dict[str, Any]:
     """A kernel's launch options; the register cap only where ptxas compiles (not under the interpreter)."""
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interpreting() else {}
     return {"num_warps": warps, "num_stages": stages, **cap}

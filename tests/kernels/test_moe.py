@@ -210,7 +210,7 @@ def test_down_k_block_at_most_half_the_intermediate_size(inter: int, table_k: in
 
 def test_register_caps_reach_the_launch_only_where_ptxas_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tuning fields `gu_maxnreg` / `dn_maxnreg` (and the mixed path's `lg_` ones) become Triton's `maxnreg`
-    launch option of gate_up / down; absent, or under the interpreter, no cap is passed."""
+    launch option of gate_up / down; at 0 (default.json's value), or under the interpreter, no cap is passed."""
     import nibble.kernels.fused_moe as fm
 
     cfg = fm.lookup("fused_moe", "cpu", fm.tuning_key(2, 3072, 1024, 256, 8, True))
