@@ -2,8 +2,10 @@
 `fused_moe` is compiled for sm_90 through Triton's stand-in driver (tests/gpu/compile_offline.py), with the
 tuning table a named GPU would use, and every launch is reported with its grid, registers and stack bytes per
 thread (ptxas, through `cuobjdump -res-usage`; a non-zero stack where a register cap makes ptxas spill), shared
-memory, the programs an SM holds at once and what bounds them, and the waves the grid needs on the GPU's SMs. A
-grid just past a whole number of waves leaves its last programs to run nearly alone.
+memory, the programs an SM holds at once and what bounds them, the waves the grid needs on the GPU's SMs, and
+`cap+1`: the register cap (`gu_maxnreg` / `dn_maxnreg`) at which one more program would fit, where registers alone
+bound it (try it with `--variant`: the stack column then shows whether ptxas spills). A grid just past a whole
+number of waves leaves its last programs to run nearly alone.
 
     python benchmarks/moe_waves.py [--gpu nvidia_h200] [--models 122B,397B] [--tokens 1,2,3,4,8] \\
         [--variant NAME=JSON ...] [--sms 132]
@@ -44,6 +46,19 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> tuple[int, str]:
     return limits[bound], bound
 
 
+def cap_for_one_more(regs: int, shared: int, warps: int) -> int | None:
+    """The largest `maxnreg` at which an SM holds one more program than at `regs` registers per thread, where
+    registers alone stand in the way (shared memory, warps and the program limit already allow it); else None.
+    The split-32 down's cap of 128 (forty-seventh session) is this value for its 166-register, 8-warp tile."""
+    n, _ = programs_per_sm(regs, shared, warps)
+    others = min(SMEM_PER_SM // (shared + SMEM_RESERVED), WARPS_PER_SM // warps, PROGRAMS_PER_SM)
+    if others <= n:
+        return None
+    per_warp = REGS_PER_SM // ((n + 1) * warps) // REG_UNIT * REG_UNIT
+    cap = per_warp // 32
+    return cap if cap >= 24 else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="nvidia_h200", help="tuning table name (nibble/kernels/tuning/<gpu>.json)")
@@ -73,7 +88,7 @@ def main() -> int:
     variants = [("table", {})] + [(v.split("=", 1)[0], json.loads(v.split("=", 1)[1])) for v in args.variant]
     regs_of: dict[int, tuple[int, int]] = {}
     print(f"{'layer':6} {'T':>4} {'variant':10} {'kernel':24} {'grid':>12} {'regs':>5} {'stack':>5} {'smem KB':>8} "
-          f"{'warps':>5} {'per SM':>6} {'bound':14} {'waves':>6}")
+          f"{'warps':>5} {'per SM':>6} {'bound':14} {'waves':>6} {'cap+1':>5}")
     for model in args.models.split(","):
         m = spec(model)
         h, inter, e, k = m["hidden"], m["inter"], m["experts"], m["top_k"]
@@ -93,8 +108,10 @@ def main() -> int:
                     per_sm, bound = programs_per_sm(regs, md.shared, md.num_warps)
                     total = math.prod(grid) if isinstance(grid, tuple) else 0
                     waves = total / (per_sm * args.sms) if total and per_sm else float("nan")
+                    cap = cap_for_one_more(regs, md.shared, md.num_warps)
                     print(f"{model:6} {t:>4} {name:10} {kname:24} {'x'.join(map(str, grid)):>12} {regs:>5} {stack:>5} "
-                          f"{md.shared / 1024:>8.1f} {md.num_warps:>5} {per_sm:>6} {bound:14} {waves:>6.2f}")
+                          f"{md.shared / 1024:>8.1f} {md.num_warps:>5} {per_sm:>6} {bound:14} {waves:>6.2f} "
+                          f"{cap if cap else '-':>5}")
     return 0
 
 
