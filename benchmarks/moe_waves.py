@@ -35,13 +35,17 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 REGS_PER_SM, REG_UNIT, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 256, 233472, 1024, 64, 32
 
 
-def programs_per_sm(regs: int, shared: int, warps: int) -> tuple[int, str]:
-    """(programs an sm_90 SM holds at once, the resource that bounds them) for a kernel of `regs` registers per
-    thread, `shared` bytes of shared memory and `warps` warps per program."""
+def _limits(regs: int, shared: int, warps: int) -> dict[str, int]:
+    """Programs an sm_90 SM could hold by each of its resources, for a kernel of `regs` registers per thread,
+    `shared` bytes of shared memory and `warps` warps per program."""
     per_warp = math.ceil(regs * 32 / REG_UNIT) * REG_UNIT
-    limits = {"registers": (REGS_PER_SM // per_warp) // warps,
-              "shared memory": SMEM_PER_SM // (shared + SMEM_RESERVED),
-              "warps": WARPS_PER_SM // warps, "programs": PROGRAMS_PER_SM}
+    return {"registers": (REGS_PER_SM // per_warp) // warps, "shared memory": SMEM_PER_SM // (shared + SMEM_RESERVED),
+            "warps": WARPS_PER_SM // warps, "programs": PROGRAMS_PER_SM}
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> tuple[int, str]:
+    """(programs an sm_90 SM holds at once, the resource that bounds them); arguments as `_limits`."""
+    limits = _limits(regs, shared, warps)
     bound = min(limits, key=limits.get)
     return limits[bound], bound
 
@@ -50,9 +54,9 @@ def cap_for_one_more(regs: int, shared: int, warps: int) -> int | None:
     """The largest `maxnreg` at which an SM holds one more program than at `regs` registers per thread, where
     registers alone stand in the way (shared memory, warps and the program limit already allow it); else None.
     The split-32 down's cap of 128 (forty-seventh session) is this value for its 166-register, 8-warp tile."""
-    n, _ = programs_per_sm(regs, shared, warps)
-    others = min(SMEM_PER_SM // (shared + SMEM_RESERVED), WARPS_PER_SM // warps, PROGRAMS_PER_SM)
-    if others <= n:
+    limits = _limits(regs, shared, warps)
+    n = limits.pop("registers")
+    if min(limits.values()) <= n:
         return None
     per_warp = REGS_PER_SM // ((n + 1) * warps) // REG_UNIT * REG_UNIT
     cap = per_warp // 32

@@ -178,11 +178,11 @@ def test_gpu_line_names_the_tuning_table(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(environment.torch.cuda, "mem_get_info", lambda i: (70 * gib, 80 * gib))
     monkeypatch.setattr(tuning_tables, "device_key", lambda d: props[d.index].name.lower().replace(" ", "_"))
     monkeypatch.setattr(tuning_tables, "capability", lambda d: (props[d.index].major, props[d.index].minor))
-    tuning_tables._resolve.cache_clear()
+    tuning_tables.named_tables.cache_clear()
     try:
         gpus = environment.list_gpus()
     finally:
-        tuning_tables._resolve.cache_clear()
+        tuning_tables.named_tables.cache_clear()
     assert [g["tuning_tables"] for g in gpus] == [["nvidia_h200", "nvidia_h100_80gb_hbm3"], ["nvidia_h200"], []]
     doc["gpus"] = gpus
     text = render(doc)

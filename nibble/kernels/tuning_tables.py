@@ -79,12 +79,6 @@ def device_tables(device: torch.device | str) -> tuple[str, ...]:
     return named_tables(device_key(device), capability(device))
 
 
-def named_tables(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
-    """`device_tables` of a GPU whose table is named `name` (a `device_key`) and whose compute capability is
-    `cap`, with no such GPU present (offline tools)."""
-    return _resolve(name, cap)
-
-
 def capability_key(cap: tuple[int, int] | None) -> str | None:
     """Compute capability `cap` as the tables write it ("9.0"), None for None."""
     return None if cap is None else f"{cap[0]}.{cap[1]}"
@@ -96,7 +90,9 @@ def capability_table(cap: tuple[int, int] | None) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _resolve(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
+def named_tables(name: str, cap: tuple[int, int] | None) -> tuple[str, ...]:
+    """`device_tables` of a GPU whose table is named `name` (a `device_key`) and whose compute capability is
+    `cap`; needs no such GPU present (offline tools call it too). Cached, so the fallback is logged once."""
     own = bool(_table(name))
     sibling = capability_table(cap)
     if sibling is None or sibling == name or not _table(sibling):

@@ -53,10 +53,10 @@ def test_same_capability_takes_a_sibling_table(monkeypatch: pytest.MonkeyPatch,
                             ("nvidia_a100_sxm4_80gb", (8, 0), default), ("nvidia_b200", (10, 0), default)):
         monkeypatch.setattr(tuning_tables, "device_key", lambda _d, n=name: n)
         monkeypatch.setattr(tuning_tables, "capability", lambda _d, c=cap: c)
-        tuning_tables._resolve.cache_clear()
+        tuning_tables.named_tables.cache_clear()
         with caplog.at_level("INFO", logger=tuning_tables.__name__):
             assert lookup("paged_attention", "cuda:0", key) == want, name
-    tuning_tables._resolve.cache_clear()
+    tuning_tables.named_tables.cache_clear()
     assert "no table for nvidia_gh200_480gb; using nvidia_h200.json" in caplog.text
     assert "nvidia_a100" not in caplog.text
 
@@ -79,7 +79,7 @@ def test_own_table_over_the_capability_table(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(tuning_tables, "_table", lambda name: own if name == "nvidia_h100_80gb_hbm3" else real(name))
     monkeypatch.setattr(tuning_tables, "device_key", lambda _d: "nvidia_h100_80gb_hbm3")
     monkeypatch.setattr(tuning_tables, "capability", lambda _d: (9, 0))
-    tuning_tables._resolve.cache_clear()
+    tuning_tables.named_tables.cache_clear()
     try:
         assert tuning_tables.device_tables("cuda:0") == ("nvidia_h200", "nvidia_h100_80gb_hbm3")
         key = {"head_dim": 256, "decode": False, "group": 16, "query_len": 8192}
@@ -93,7 +93,7 @@ def test_own_table_over_the_capability_table(monkeypatch: pytest.MonkeyPatch) ->
         assert lookup("dense_linear", "cuda:0", k2) == lookup("dense_linear", "cpu", k2) | tuning_tables._first(
             real("nvidia_h200"), "dense_linear", k2)
     finally:
-        tuning_tables._resolve.cache_clear()
+        tuning_tables.named_tables.cache_clear()
 
 
 def test_when_fields_are_lookup_fields() -> None:
@@ -108,9 +108,9 @@ def test_misspelt_when_field_is_an_error(monkeypatch: pytest.MonkeyPatch) -> Non
         (TUNING_DIR / f"{name}.json").read_text()))
     monkeypatch.setattr(tuning_tables, "_check_fields", tuning_tables._check_fields.__wrapped__)
     # an earlier lookup on "cpu" (no table of its own) may have cached that it takes none
-    tuning_tables._resolve.cache_clear()
+    tuning_tables.named_tables.cache_clear()
     try:
         with pytest.raises(ValueError, match=r"cpu\.json: entry 0 of 'fused_moe' tests 'min_hiden'"):
             lookup("fused_moe", "cpu", tuning_key(8, 3072, 1024, 256, 8, True))
     finally:
-        tuning_tables._resolve.cache_clear()
+        tuning_tables.named_tables.cache_clear()
