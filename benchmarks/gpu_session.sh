@@ -278,6 +278,15 @@ stage_moejsonb() {
   MOE_TAG=b MOE_VARIANTS=${MOE_VARIANTS_B:-$MOE_VARIANTS} MOE_TOKENS=${MOE_TOKENS_B:-$MOE_TOKENS} \
     MOE_MODELS=${MOE_MODELS_B:-${MOE_MODELS:-}} stage_moejson
 }
+stage_h200owed() {  # the H200 call owed since the forty-fourth session (docs/benchmarks.md, forty-seventh session's
+  # "Still owed"): the table's choice; the table against itself without the 32-slot / split-32 entries or the cap;
+  # the forty-fifth session's TMA entries against their predecessors; the forty-sixth session's fence change against
+  # the kernels before it at 1-2 tokens (old side in .bench_assets/old); the stall profile. About 5 minutes
+  local MOE_VARIANTS=docs/bench_results/2026-12-07e/h200_owed_variants.json MOE_MODELS=122B,397B,35B \
+    MOE_TOKENS=448,512,576,720,800,896,1024,1280 MOE_VARIANTS_B=docs/bench_results/2026-12-07c/h200_variants.json \
+    MOE_TOKENS_B=1,2,4,8,32,96,128,256,384,512 MOE_MODELS_B=122B,397B,35B AB_TOKENS=1,2 AB_MODELS=122B,397B
+  stage_moeauto; stage_moejson; stage_moejsonb; stage_moeab; stage_ncustall
+}
 ab_tree() {  # a copy of this checkout at /tmp/abtree with the files under $1 (default $AB_OLD, else .bench_assets/old)
   # laid over it: the "before" side of an A/B timing of a kernel change, run in the same call as the "after" side;
   # rebuilt by every stage that uses it (a machine lent again may still hold an earlier call's tree)
