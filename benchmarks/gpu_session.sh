@@ -450,6 +450,37 @@ stage_ncustall() {  # the 122B layer's expert kernels at 1 and 256 tokens: stall
       python3 benchmarks/moe_ncu.py --model 122B --tokens $t --configs '[{}]'
   done
 }
+stage_pdlentrytests() {  # the MoE's first kernel and the router launched with PDL: bitwise the plain launches' outputs
+  NIBBLE_TEST_GPU=1 run pdlentrytests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "pdl or route" -p no:cacheprovider -rf
+}
+stage_moepdlentry() {  # the table's choice against `pdl_entry` (the MoE's first kernel starts early too, down / the
+  # reduce let the next layer's start) at 1-16 tokens of the three layers; with PDLENTRY_TWICE, again (moejsonb)
+  local f=$OUT/pdl_entry_variants.json
+  echo '{"pdlentry": {"pdl_entry": true}}' > "$f"
+  MOE_VARIANTS=$f MOE_TOKENS=1,2,3,4,6,8,12,16 MOE_MODELS=122B,397B,35B MOE_LIMIT=240 stage_moejson
+  [ -n "${PDLENTRY_TWICE:-}" ] && MOE_VARIANTS_B=$f MOE_TOKENS_B=1,2,3,4,6,8,12,16 MOE_MODELS_B=122B,397B,35B \
+    MOE_LIMIT=240 stage_moejsonb
+}
+pdl_entry_default() {  # pdl_entry_default true|false: `pdl_entry` (fused_moe) and the router's `pdl` in default.json
+  python3 -c "
+import json, sys
+p = 'nibble/kernels/tuning/default.json'
+d = json.load(open(p))
+on = sys.argv[1] == 'true'
+for e in d['fused_moe']:
+    e['config']['pdl_entry'] = on
+d['route'][0]['config']['pdl'] = on
+open(p, 'w').write(json.dumps(d, indent=1) + '\n')" "$1"
+}
+stage_pdlentrye2e() {  # $TABLE_MODEL (default 35B) decode steps without, with, without the router / MoE entry PDL
+  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4}
+  cp nibble/kernels/tuning/default.json /tmp/default_saved.json
+  decode_latency pdlentrye2e_off 170 "$model"
+  pdl_entry_default true
+  decode_latency pdlentrye2e_on 170 "$model"
+  cp /tmp/default_saved.json nibble/kernels/tuning/default.json
+  decode_latency pdlentrye2e_off2 170 "$model"
+}
 stage_aligntests() {
   NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
 }

@@ -194,6 +194,9 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     # gate_up / down first pull their weight rows into L2 (pdl.py)
     can_pdl = pdl_supported(x.device)
     pdl = can_pdl and bool(cfg.get("pdl", True))
+    # `pdl_entry` (pairs path): the first kernel too starts early, behind whatever kernel is ahead (the
+    # router), waiting before it reads anything; down / the reduce then let the next layer's start early
+    entry = pdl and bool(cfg.get("pdl_entry", False))
     gu_pf, dn_pf = bool(cfg.get("gu_prefetch", False)), bool(cfg.get("dn_prefetch", False))
     if (gu_pf or dn_pf) and not (can_pdl and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)):
         gu_pf = dn_pf = False
@@ -214,13 +217,14 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
-        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4) if staged else x
+        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry) if staged else x
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **_pdl_launch(pdl and staged), **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
+            **_pdl_launch(pdl and staged), **_entry_launch(entry and not staged),
+            **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
                 act, u2, s2, g2, out, flat, tw, h, inter, act.stride(0), sq2e, sq2n, st2[2], st2[3],
@@ -234,11 +238,11 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             act, u2, s2, g2, y, out, y if sem is None else sem, tw, flat, flat, flat, h, inter,
             act.stride(0), sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=False,
             XMODE=xmode, FUSED_SUM=sem is not None, DEC=dec, EVEN_K=inter % dbk == 0, SLOTS=slots, BLOCK_N=dbn,
-            BLOCK_K=dbk, X_SHIFT=xsh, PDL_TRIGGER=pdl and sem is None, **dpdl, **dkw,
+            BLOCK_K=dbk, X_SHIFT=xsh, PDL_TRIGGER=pdl and (sem is None or entry), **dpdl, **dkw,
             **_tma_args(base["dtma"], u2, s2, dbn, dbk, False))
         if sem is None:
             moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, flat, h, y.stride(0), out.stride(0), TOP_K=top_k,
-                                                  BLOCK=1024, num_warps=4, **rkw)
+                                                  BLOCK=1024, num_warps=4, PDL_TRIGGER=entry, **rkw)
         return
     tiles = [base]
     split = int(cfg.get("mixed_max_pairs", 0))
@@ -347,6 +351,12 @@ def _pdl_launch(on: bool) -> dict[str, Any]:
     """Launch keywords of a kernel that waits for the one before it (PDL_WAIT), so launched with PDL; `on`
     only where the kernel before it is ours (it reads older inputs before the wait)."""
     return {"PDL_WAIT": True, "launch_pdl": True} if on else {}
+
+
+def _entry_launch(on: bool) -> dict[str, Any]:
+    """Launch keywords of gate_up as the first kernel of the layer, launched with PDL behind any kernel: it
+    waits before reading the ids (PDL_WAIT_FIRST)."""
+    return {"PDL_WAIT_FIRST": True, "launch_pdl": True} if on else {}
 
 
 def _generic(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,

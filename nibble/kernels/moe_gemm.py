@@ -118,10 +118,11 @@ def moe_down_kernel(act_ptr, wq_ptr, ws_ptr, wg_ptr, y_ptr, topk_w_ptr, sorted_p
 
 @triton.jit
 def moe_reduce_kernel(y_ptr, out_ptr, ids_ptr, hidden, stride_yt, stride_ot, TOP_K: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr = False):
+                      BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     """out[t] = sum_j y[t * TOP_K + j] in fp32, j in order, skipping pairs of expert id -1 (their rows of
-    y are never written). PDL_WAIT: launched with PDL after the down kernel (pdl.py)."""
-    pdl_handoff(False, PDL_WAIT)
+    y are never written). PDL_WAIT: launched with PDL after the down kernel (pdl.py); PDL_TRIGGER: the
+    kernel after this one may start early (it waits before reading anything of this layer's)."""
+    pdl_handoff(PDL_TRIGGER, PDL_WAIT)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nmask = n < hidden

@@ -5,12 +5,17 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
+from nibble.kernels.pdl import pdl_handoff, pdl_supported
+from nibble.kernels.tuning_tables import lookup
 
 
 @triton.jit(do_not_specialize=["n_tok"])
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, valid_ptr, n_tok, n_exp, stride_l, TOP_K: tl.constexpr,
                   RENORM: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                  HAS_VALID: tl.constexpr):
+                  HAS_VALID: tl.constexpr, PDL: tl.constexpr = False):
+    """PDL: launched with PDL behind the router's projection, and the MoE's first kernel may start early (it
+    waits before reading the ids)."""
+    pdl_handoff(PDL, PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, BLOCK_E)
     rmask = rows < n_tok
@@ -65,8 +70,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
         # One token per program and a single warp: the k rounds of arg-max are then warp shuffles. Spreading
         # a row over 4 warps cost two block-wide barriers per round, 16 us per decode step's route on an
         # H200 (12% of a 122B-A10B batch-1 step).
+        # tuning field `pdl` (sm_90+): start early behind the projection ahead and let the MoE's first kernel do so
+        pdl = pdl_supported(router_logits.device) and bool(
+            lookup("route", router_logits.device, {"tokens": t, "experts": e}).get("pdl", False))
         _route_kernel[(t,)](
             router_logits, weights, ids, ids if num_valid_tokens is None else num_valid_tokens, t, e,
             router_logits.stride(0), TOP_K=top_k, RENORM=renormalize, K_PAD=next_pow2(top_k), ROWS=1,
-            BLOCK_E=block_e, HAS_VALID=num_valid_tokens is not None, num_warps=1 if block_e <= 512 else 4)
+            BLOCK_E=block_e, HAS_VALID=num_valid_tokens is not None, num_warps=1 if block_e <= 512 else 4,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return weights, ids

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from nibble.kernels._triton import tl, triton
 from nibble.kernels.fp4_tiles import fp4_acc_scale
-from nibble.kernels.pdl import pdl_handoff, prefetch_rows
+from nibble.kernels.pdl import gdc_wait, pdl_handoff, prefetch_rows
 from nibble.kernels.w4_stage import f16_range, pairs_col
 from nibble.kernels.w4_steps import w4_finish, w4_k_step, w4_scale_tile, w4_tile
 
@@ -128,7 +128,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
                           DEC: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, X_SHIFT: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
                           PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, q_desc=None,
-                          s_desc=None, TMA: tl.constexpr = 0):
+                          s_desc=None, TMA: tl.constexpr = 0, PDL_WAIT_FIRST: tl.constexpr = False):
     """act[pair, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the block's pairs (SLOTS token
     slots) and BLOCK_N features. q_ptr: w13 as int16 units [E, 2I, H/4] (strides in units); s_ptr: e4m3
     scales as uint8 [E, 2I, H/16]; g_ptr: fp32 global scales [E, 2I]; x: [T, H] (PERM: permuted rows);
@@ -136,9 +136,12 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
     X_SHIFT: x holds activations * 2^-X_SHIFT, and act is written the same way (fp16 staging of bf16
     activations, see `stage_x`). PREFETCH: first ask for the program's weight rows in L2 (pdl.py); PDL_WAIT:
     launched with PDL right after `stage_x` (ids and the sorted blocks are older, so they are read before the
-    wait); PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a stacked descriptor
-    of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
+    wait); PDL_WAIT_FIRST: launched with PDL behind any kernel (the router, which writes the ids), so it waits
+    before reading anything; PDL_TRIGGER: the down kernel is. TMA 1: the weight units come through q_desc, a
+    stacked descriptor of the same tensor (`tma.w4_descriptors`); TMA 2: the block scales too, through s_desc."""
     REP: tl.constexpr = 4 if XMODE == 0 else 1
+    if PDL_WAIT_FIRST:
+        gdc_wait()
     e, pair, valid = _block(ids_ptr, sorted_ptr, block_expert_ptr, SORTED, SLOTS, REP)
     if PREFETCH:
         if e >= 0:
@@ -147,7 +150,7 @@ def moe_w4_gate_up_kernel(x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, ids_ptr, sorted_p
             _prefetch_expert_rows(q_ptr, s_ptr, e, n0, num, stride_qe, stride_qn, stride_se, stride_sn, hidden)
             _prefetch_expert_rows(q_ptr, s_ptr, e, n0 + inter, num, stride_qe, stride_qn, stride_se, stride_sn,
                                   hidden)
-    pdl_handoff(PDL_TRIGGER, PDL_WAIT)
+    pdl_handoff(PDL_TRIGGER, PDL_WAIT and not PDL_WAIT_FIRST)
     if e < 0:
         return
     act, pr, ok = gate_up_slice(x_ptr, q_ptr, s_ptr, g_ptr, sorted_ptr, e, pair, valid, top_k, hidden, inter,

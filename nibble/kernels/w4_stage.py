@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import cdiv, tl, triton
-from nibble.kernels.pdl import pdl_handoff
+from nibble.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -24,11 +24,17 @@ def f16_range(v):
 
 @triton.jit
 def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.constexpr, PERMUTE: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                   BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PAIRS: tl.constexpr = False,
+                   PDL_WAIT: tl.constexpr = False):
     """out[m, c(k)] = x[m, k] * 2^-X_SHIFT in out's dtype, c(4u + t) = t * K/4 + u with PERMUTE (the slice
     order of `fp4_decode4`, PERM mode), c(k) = `pairs_col`(k) with PAIRS (DEC 4), else c(k) = k.
-    PDL_TRIGGER: gate_up is launched with PDL."""
-    pdl_handoff(PDL_TRIGGER, False)
+    PDL_TRIGGER: gate_up is launched with PDL. PDL_WAIT: this kernel is, behind any kernel; it waits before it
+    triggers, so that gate_up, which reads the routing ids before its own wait, starts only once the kernel
+    ahead of this one (the router, which writes them) is done."""
+    if PDL_WAIT:
+        gdc_wait()
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     u = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     t = tl.arange(0, 4)
@@ -46,10 +52,12 @@ def stage_x_kernel(x_ptr, out_ptr, n_k, stride_xt, stride_ot, X_SHIFT: tl.conste
 
 
 def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
-            out: torch.Tensor | None = None, pdl_trigger: bool = False, pairs: bool = False) -> torch.Tensor:
+            out: torch.Tensor | None = None, pdl_trigger: bool = False, pairs: bool = False,
+            pdl_wait: bool = False) -> torch.Tensor:
     """x [T, K] -> [T, K] of `dtype` (`out` if given, else new) holding x * 2^-x_shift, columns in
     `fp4_decode4`'s slice order if permute (K a multiple of 4), or in DEC 4's order if pairs (K a multiple
-    of 8). pdl_trigger: the next kernel is launched with PDL (sm_90+ only)."""
+    of 8). pdl_trigger: the next kernel is launched with PDL; pdl_wait: launch this one with PDL, behind
+    whatever kernel is ahead (sm_90+ only, `pdl.pdl_supported`)."""
     t, k = x.shape
     if k % 4 or (pairs and k % 8):
         raise ValueError(f"stage_x: K = {k} is not a multiple of {8 if pairs else 4}")
@@ -64,5 +72,6 @@ def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
         block = 256
         stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
                                                  PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger, PAIRS=pairs,
-                                                 num_warps=4)
+                                                 num_warps=4, **({"PDL_WAIT": True, "launch_pdl": True}
+                                                                 if pdl_wait else {}))
     return out

@@ -181,11 +181,16 @@ def main() -> int:
                                 mq, 30, config=cfg, num_splits=splits)
         attention.fp8_native = pa.fp8_native = tri.fp8_native
         attempt("route", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
+        route_pdl = moe_route.pdl_supported, moe_route.lookup
+        moe_route.pdl_supported, moe_route.lookup = (lambda _d, c=cc: c >= 90), (lambda *_a: {"pdl": True})
+        attempt("route pdl", moe_route.route, torch.randn(5, 512, dtype=bf), 10)
+        moe_route.pdl_supported, moe_route.lookup = route_pdl
         attempt("align", moe_align.moe_align, torch.zeros(5, 8, dtype=torch.int32), 256, 16)
         attempt("align", moe_align.moe_align, torch.zeros(1000, 8, dtype=torch.int32), 256, 64)
         # every table entry on both paths, plus the activation modes the tables may select per device
         modes = [{}, {"xmode": "quad", "block_t": 4, "dn_mode": "fused"}, {"xmode": "quad", "dn_mode": "token"},
-                 {"xmode": "perm", "block_t": 64}]
+                 {"xmode": "perm", "block_t": 64}, {"pdl_entry": True},
+                 {"xmode": "quad", "block_t": 2, "dn_mode": "fused", "pdl_entry": True}]
         fm.pdl_supported = lambda _d, c=cc: c >= 90  # PDL + L2 prefetch variants where a GPU would pick them
         fm.tma_supported = lambda _d, c=cc: c >= 90  # and the TMA weight loads
         for name, experts, ek, op, dtypes, op_modes in (

@@ -610,6 +610,43 @@ def test_fused_moe_pdl_matches_plain_launches(t: int) -> None:
                 assert torch.equal(outs[i], p), (path, cfg, i, "graph")
 
 
+@pytest.mark.parametrize("t", [1, 2, 6])
+def test_moe_pdl_entry_behind_route(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdl_entry` and the router's `pdl`: the router starts behind the kernel that writes its logits and lets
+    the MoE's first kernel (stage_x or gate_up) start behind it, down / the reduce let the next call's start
+    early. Each call's logits and activations are written by the kernel right ahead of the chain, so a wait
+    placed after a read, or a trigger before a wait that a later kernel relies on, would read the previous
+    call's ids or activations: the outputs must equal the plain launches' bitwise, eagerly and from a graph."""
+    import nibble.kernels.moe_route as moe_route
+
+    if not pdl_supported(torch.device(DEV)):
+        pytest.skip("PDL needs sm_90+ and a Triton with launch_pdl")
+    c = config("122B")
+    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
+    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
+    srcs = [(torch.randn(t, e, device=DEV), torch.randn(t, h, device=DEV, dtype=BF16)) for _ in range(4)]
+
+    def chain(logits_src: torch.Tensor, x_src: torch.Tensor, cfg: dict) -> torch.Tensor:
+        logits, x = logits_src * 1.0, x_src * 1.0
+        w, ids = route(logits, k)
+        return fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg)
+
+    for base in ({"cvt_decode": False}, {"cvt_decode": True}, {"cvt_decode": True, "dn_mode": "reduce"},
+                 {"cvt_decode": False, "dn_mode": "fused"}):
+        plain = [chain(*a, {**base, "pdl": False}) for a in srcs]
+        for (ls, xs), p in zip(srcs, plain):
+            w, ids = route_ref(ls, k)
+            assert rel(p, fused_moe_ref(xs.float(), w, ids, experts)) < TOL, (base, "plain")
+        with monkeypatch.context() as m:
+            m.setattr(moe_route, "lookup", lambda *_a: {"pdl": True})
+            cfg = {**base, "pdl_entry": True}
+            eager = [chain(*a, cfg) for a in srcs]
+            outs = _replayed([partial(chain, *a, cfg) for a in srcs])
+        for i, p in enumerate(plain):
+            assert torch.equal(eager[i], p), (cfg, i, "eager")
+            assert torch.equal(outs[i], p), (cfg, i, "graph")
+
+
 @pytest.mark.parametrize("name", ["122B", "397B"])
 @pytest.mark.parametrize("t", [1, 6, 64, 300])
 def test_fused_moe_tma_matches_pointer_loads(name: str, t: int) -> None:

@@ -15,6 +15,7 @@ KEY_FIELDS = {
     "fused_moe": {"tokens", "fp4", "hidden", "inter", "experts", "top_k", "pairs_per_expert"},
     "nvfp4_linear": {"tokens", "n", "k"},
     "paged_attention": {"head_dim", "decode", "group", "query_len"},
+    "route": {"tokens", "experts"},
 }
 KEY_FIELDS["fused_moe_dense"] = KEY_FIELDS["fused_moe"]
 KEY_FIELDS["nvfp4_linear_generic"] = KEY_FIELDS["nvfp4_linear"]
