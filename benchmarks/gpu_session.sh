@@ -453,33 +453,39 @@ stage_ncustall() {  # the 122B layer's expert kernels at 1 and 256 tokens: stall
 stage_pdlentrytests() {  # the MoE's first kernel and the router launched with PDL: bitwise the plain launches' outputs
   NIBBLE_TEST_GPU=1 run pdlentrytests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "pdl or route" -p no:cacheprovider -rf
 }
-stage_moepdlentry() {  # the table's choice against `pdl_entry` (the MoE's first kernel starts early too, down / the
-  # reduce let the next layer's start) at 1-16 tokens of the three layers; with PDLENTRY_TWICE, again (moejsonb)
+stage_moepdlentry() {  # the table's choice against `pdl_entry` on and off (the MoE's first kernel starts early too,
+  # down / the reduce let the next layer's start) at 1-16 tokens of the three layers; with PDLENTRY_TWICE, again
   local f=$OUT/pdl_entry_variants.json
-  echo '{"pdlentry": {"pdl_entry": true}}' > "$f"
+  echo '{"pdlentry": {"pdl_entry": true}, "nopdlentry": {"pdl_entry": false}}' > "$f"
   MOE_VARIANTS=$f MOE_TOKENS=1,2,3,4,6,8,12,16 MOE_MODELS=122B,397B,35B MOE_LIMIT=240 stage_moejson
   [ -n "${PDLENTRY_TWICE:-}" ] && MOE_VARIANTS_B=$f MOE_TOKENS_B=1,2,3,4,6,8,12,16 MOE_MODELS_B=122B,397B,35B \
     MOE_LIMIT=240 stage_moejsonb
 }
-pdl_entry_default() {  # pdl_entry_default true|false: `pdl_entry` (fused_moe) and the router's `pdl` in default.json
+pdl_entry_all() {  # pdl_entry_all true|false: `pdl_entry` (fused_moe) and the router's `pdl` in every entry of
+  # every table (default.json and the device tables, which set them too), so that neither side depends on a table
   python3 -c "
-import json, sys
-p = 'nibble/kernels/tuning/default.json'
-d = json.load(open(p))
+import json, pathlib, sys
 on = sys.argv[1] == 'true'
-for e in d['fused_moe']:
-    e['config']['pdl_entry'] = on
-d['route'][0]['config']['pdl'] = on
-open(p, 'w').write(json.dumps(d, indent=1) + '\n')" "$1"
+for p in pathlib.Path('nibble/kernels/tuning').glob('*.json'):
+    d = json.loads(p.read_text())
+    if 'fused_moe' not in d and 'route' not in d:
+        continue
+    for e in d.get('fused_moe', []):
+        e['config']['pdl_entry'] = on
+    for e in d.get('route', []):
+        e['config']['pdl'] = on
+    p.write_text(json.dumps(d, indent=1) + '\n')" "$1"
 }
 stage_pdlentrye2e() {  # $TABLE_MODEL (default 35B) decode steps without, with, without the router / MoE entry PDL
   local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4}
-  cp nibble/kernels/tuning/default.json /tmp/default_saved.json
+  rm -rf /tmp/tuning_saved && cp -r nibble/kernels/tuning /tmp/tuning_saved
+  pdl_entry_all false
   decode_latency pdlentrye2e_off 170 "$model"
-  pdl_entry_default true
+  pdl_entry_all true
   decode_latency pdlentrye2e_on 170 "$model"
-  cp /tmp/default_saved.json nibble/kernels/tuning/default.json
+  pdl_entry_all false
   decode_latency pdlentrye2e_off2 170 "$model"
+  rm -rf nibble/kernels/tuning && cp -r /tmp/tuning_saved nibble/kernels/tuning
 }
 stage_aligntests() {
   NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf

@@ -68,7 +68,7 @@ from nibble.kernels.moe_w4 import (
     moe_w4_down_token_kernel,
     moe_w4_gate_up_kernel,
 )
-from nibble.kernels.pdl import pdl_supported, prefetch_ok
+from nibble.kernels.pdl import pdl_launch, pdl_supported, prefetch_ok
 from nibble.kernels.tma import tma_supported, w4_descriptors
 from nibble.kernels.tuning_tables import lookup
 from nibble.kernels.w4_stage import stage_x
@@ -204,8 +204,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gu_pf = dn_pf = False
     staged = adt != x.dtype
     base = _tile(cfg, "", dec, h, inter)
-    dpdl = {"PREFETCH": dn_pf, **_pdl_launch(pdl)}  # moe_w4_down_kernel only: the token kernel has no PDL
-    rkw = _pdl_launch(pdl)
+    dpdl = {"PREFETCH": dn_pf, **pdl_launch(pdl)}  # moe_w4_down_kernel only: the token kernel has no PDL
+    rkw = pdl_launch(pdl)
     if path == "gemv":
         # one pair per block: token slot 0 of 16 in split mode, of `block_t` (at most 4) in quad mode (perm needs a
         # sort anyway); Triton pads an MMA narrower than 8 columns, so 1 or 2 slots halve the MMA's columns
@@ -225,7 +225,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **_pdl_launch(pdl and staged), **_entry_launch(entry and not staged),
+            **pdl_launch(pdl and staged), **pdl_launch(entry and not staged, "PDL_WAIT_FIRST"),
             **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -279,7 +279,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 sq13n, st13[2], st13[3], act.stride(0), SORTED=True, XMODE=tile["xmode"], ACT_PERM=xmode == PERM,
                 ACT_PAIRS=dec == 4, DEC=dec, EVEN_K=h % tile["gbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["gbn"],
                 BLOCK_K=tile["gbk"], X_SHIFT=xsh, **tile["glaunch"], PREFETCH=gu_pf, PDL_TRIGGER=pdl,
-                **_pdl_launch(pdl and buf is not None and i == 0),
+                **pdl_launch(pdl and buf is not None and i == 0),
                 **_tma_args(tile["gtma"], u13, s13, tile["gbn"], tile["gbk"], True))
         for i, (tile, al) in enumerate(zip(tiles, als)):
             moe_w4_down_kernel[(al.max_blocks, cdiv(h, tile["dbn"]))](
@@ -287,7 +287,7 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 sq2e, sq2n, st2[2], st2[3], y.stride(0), out.stride(0), TOP_K=top_k, SORTED=True, XMODE=tile["xmode"],
                 FUSED_SUM=False, DEC=dec, EVEN_K=inter % tile["dbk"] == 0, SLOTS=tile["slots"], BLOCK_N=tile["dbn"],
                 BLOCK_K=tile["dbk"], X_SHIFT=xsh, PDL_TRIGGER=pdl, **tile["dlaunch"],
-                **({"PREFETCH": dn_pf, **_pdl_launch(pdl)} if i == 0 else {}),
+                **({"PREFETCH": dn_pf, **pdl_launch(pdl)} if i == 0 else {}),
                 **_tma_args(tile["dtma"], u2, s2, tile["dbn"], tile["dbk"], False))
         moe_reduce_kernel[(c1 - c0, cdiv(h, 1024))](y, out[c0:c1], flat, h, y.stride(0), out.stride(0),
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
@@ -347,18 +347,6 @@ def _tma_args(level: int, units: torch.Tensor, scales: torch.Tensor, rows: int, 
         return {}
     qd, sd = descs
     return {"q_desc": qd, "s_desc": sd, "TMA": 2} if level >= 2 and sd is not None else {"q_desc": qd, "TMA": 1}
-
-
-def _pdl_launch(on: bool) -> dict[str, Any]:
-    """Launch keywords of a kernel that waits for the one before it (PDL_WAIT), so launched with PDL; `on`
-    only where the kernel before it is ours (it reads older inputs before the wait)."""
-    return {"PDL_WAIT": True, "launch_pdl": True} if on else {}
-
-
-def _entry_launch(on: bool) -> dict[str, Any]:
-    """Launch keywords of gate_up as the first kernel of the layer, launched with PDL behind any kernel: it
-    waits before reading the ids (PDL_WAIT_FIRST)."""
-    return {"PDL_WAIT_FIRST": True, "launch_pdl": True} if on else {}
 
 
 def _generic(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import next_pow2, tl, triton
-from nibble.kernels.pdl import pdl_handoff, pdl_supported
+from nibble.kernels.pdl import pdl_handoff, pdl_launch, pdl_supported
 from nibble.kernels.tuning_tables import lookup
 
 
@@ -77,5 +77,5 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
             router_logits, weights, ids, ids if num_valid_tokens is None else num_valid_tokens, t, e,
             router_logits.stride(0), TOP_K=top_k, RENORM=renormalize, K_PAD=next_pow2(top_k), ROWS=1,
             BLOCK_E=block_e, HAS_VALID=num_valid_tokens is not None, num_warps=1 if block_e <= 512 else 4,
-            **({"PDL": True, "launch_pdl": True} if pdl else {}))
+            **pdl_launch(pdl, "PDL"))
     return weights, ids

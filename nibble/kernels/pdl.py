@@ -15,6 +15,7 @@ usual and the kernels are compiled without these instructions (constexpr flags).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -37,6 +38,13 @@ def pdl_supported(device: torch.device) -> bool:
     with the `launch_pdl` option, not the interpreter)."""
     cc = capability(device)
     return cc is not None and cc >= (9, 0) and not interpreting() and _triton_has_pdl()
+
+
+def pdl_launch(on: bool, wait_flag: str = "PDL_WAIT") -> dict[str, Any]:
+    """Launch keywords of a kernel launched with PDL whose constexpr `wait_flag` makes it wait (`gdc_wait`)
+    for the kernel ahead; nothing if not `on`. Whatever the kernel reads before that wait must be older than
+    the kernel ahead (see above)."""
+    return {wait_flag: True, "launch_pdl": True} if on else {}
 
 
 def prefetch_ok(*tensors: torch.Tensor) -> bool:

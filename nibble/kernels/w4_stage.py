@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from nibble.kernels._triton import cdiv, tl, triton
-from nibble.kernels.pdl import gdc_launch_dependents, gdc_wait
+from nibble.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 
 @triton.jit
@@ -72,6 +72,5 @@ def stage_x(x: torch.Tensor, dtype: torch.dtype, x_shift: int, permute: bool,
         block = 256
         stage_x_kernel[(t, cdiv(k // 4, block))](x, out, k, x.stride(0), out.stride(0), X_SHIFT=x_shift,
                                                  PERMUTE=permute, BLOCK=block, PDL_TRIGGER=pdl_trigger, PAIRS=pairs,
-                                                 num_warps=4, **({"PDL_WAIT": True, "launch_pdl": True}
-                                                                 if pdl_wait else {}))
+                                                 num_warps=4, **pdl_launch(pdl_wait))
     return out
