@@ -10,7 +10,9 @@ the kernels' instruction latency and the launch chain.
 - `read:*`: a streaming kernel that reads the bytes of the T = 1 gate_up / down weight tiles the way the
   kernels do (one dot per K step against a constant tile, so Triton pipelines the loads the same way), with
   rows `BLOCK_K/2` bytes apart as in the checkpoint ("rows") or with each program's K step stored as one
-  contiguous tile ("tiled"), at the kernels' program count and at 2x / 4x more programs (split K).
+  contiguous tile ("tiled"), at the kernels' program count and at 2x / 4x more programs (split K);
+- `read:pair`: the T = 1 layer's gate_up and down bytes by two launches in a row and by one launch reading
+  both at once (how much the boundary between the two kernels costs the memory side).
 """
 
 from __future__ import annotations
@@ -48,6 +50,60 @@ def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, 
         w = tl.load(q_ptr + off).to(tl.float16, bitcast=True)
         acc = tl.dot(w, b, acc)
     tl.store(out_ptr + pid * ROWS * 16 + r[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
+
+
+@triton.jit
+def _read_rows(q_ptr, out_ptr, pid, k_units, ROWS: tl.constexpr, BU: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    u = tl.arange(0, BU)
+    base = pid.to(tl.int64) * ROWS * k_units
+    b = tl.full([BU, 16], 1.0, tl.float16)
+    acc = tl.zeros([ROWS, 16], tl.float32)
+    for k in range(0, k_units, BU):
+        w = tl.load(q_ptr + base + r[:, None] * k_units + k + u[None, :]).to(tl.float16, bitcast=True)
+        acc = tl.dot(w, b, acc)
+    tl.store(out_ptr + pid * ROWS * 16 + r[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
+
+
+@triton.jit
+def _read_pair_kernel(q1_ptr, q2_ptr, out_ptr, n1, k1, k2, ROWS: tl.constexpr, BU: tl.constexpr):
+    """Programs [0, n1) read q1's rows as `_read_kernel` does, the rest q2's: both weight sets of a layer in
+    one launch, so that down's bytes stream while gate_up's do."""
+    pid = tl.program_id(0)
+    if pid < n1:
+        _read_rows(q1_ptr, out_ptr, pid, k1, ROWS, BU)
+    else:
+        _read_rows(q2_ptr, out_ptr, pid, k2, ROWS, BU)
+
+
+def _read_two(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, n1: int, n2: int, k1: int, k2: int,
+              kw: dict) -> None:
+    _read_pair_kernel[(n1,)](a, b, out, n1, k1, k2, **kw)
+    _read_pair_kernel[(n2,)](b, b, out, 0, k2, k2, **kw)
+
+
+def read_pair_probe(timer: Timer, ceil: float) -> None:
+    """The T = 1 layers' gate_up and down bytes read by two launches in a row (the kernels' structure: down
+    starts after gate_up) and by one launch doing both at once: the memory side's floor with and without
+    the boundary between the two kernels."""
+    dev = torch.device("cuda")
+    rpp, bu = 32, 32
+    for name, experts, h, inter in (("122B T=1", 8, 3072, 1024), ("397B T=1", 10, 4096, 1024)):
+        r1, k1, r2, k2 = experts * 2 * inter, h // 4, experts * h, inter // 4
+        sets = [(torch.randint(-2**15, 2**15, (r1, k1), dtype=torch.int16, device=dev),
+                 torch.randint(-2**15, 2**15, (r2, k2), dtype=torch.int16, device=dev)) for _ in range(LAYERS)]
+        nbytes = (r1 * k1 + r2 * k2) * 2
+        n1, n2 = r1 // rpp, r2 // rpp
+        out = torch.empty((n1 + n2) * rpp * 16, dtype=torch.float32, device=dev)
+        kw = {"ROWS": rpp, "BU": bu, "num_warps": 2, "num_stages": 4}
+
+        for label, fns in (("two launches", [partial(_read_two, a, b, out, n1, n2, k1, k2, kw) for a, b in sets]),
+                           ("one launch", [partial(_read_pair_kernel[(n1 + n2,)], a, b, out, n1, k1, k2, **kw)
+                                           for a, b in sets])):
+            us = timer.stream_us(fns, flush=False)
+            tb = nbytes / (us * 1e-6) / 1e12
+            print(f"read:pair {name} {label:12} {n1 + n2:6d} programs {us:7.2f} us  {tb:5.2f} TB/s  "
+                  f"{100 * tb / ceil:4.0f}%", flush=True)
 
 
 def read_probe(timer: Timer, ceil: float) -> None:
@@ -107,6 +163,7 @@ def main() -> None:
     print(f"copy ceiling {ceil:.2f} TB/s", flush=True)
     timer = Timer(10)
     read_probe(timer, ceil)
+    read_pair_probe(timer, ceil)
     layer_probe(timer, args.models.split(","), [int(t) for t in args.tokens.split(",")], ceil)
 
 
