@@ -196,10 +196,8 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     pdl = can_pdl and bool(cfg.get("pdl", True))
     # `pdl_entry` (pairs path): the first kernel too starts early, behind whatever kernel is ahead (the
     # router), waiting before it reads anything; down / the reduce then let the next layer's start early.
-    # On the H100's table at 1-16 tokens (up to 3% faster layers), not at the 122B's one token: there gate_up
-    # follows down directly (no stage_x) and the two grids nearly fill the SMs' registers, so gate_up's early
-    # programs probably land where down left room, unevenly (19% slower; a 1-warp down or a 4-warp gate_up,
-    # which leave room, or stage_x between them show no slowdown: fiftieth session)
+    # On the H100's table at 1-16 tokens; not at the 122B's one token, where gate_up follows down directly and
+    # their grids nearly fill the SMs' registers: gate_up's early programs probably land unevenly (19% slower)
     entry = pdl and bool(cfg.get("pdl_entry", False))
     gu_pf, dn_pf = bool(cfg.get("gu_prefetch", False)), bool(cfg.get("dn_prefetch", False))
     if (gu_pf or dn_pf) and not (can_pdl and h % 256 == 0 and inter % 256 == 0 and prefetch_ok(u13, s13, u2, s2)):
