@@ -34,12 +34,11 @@ from nibble.kernels.moe_route import route
 
 
 @triton.jit
-def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, TILED: tl.constexpr):
-    """Program p reads rows [p * ROWS, (p + 1) * ROWS) of q (int16 units [*, k_units]) in BU-unit K steps."""
-    pid = tl.program_id(0).to(tl.int64)
+def _read_rows(q_ptr, out_ptr, pid, k_units, ROWS: tl.constexpr, BU: tl.constexpr, TILED: tl.constexpr):
+    """Program pid reads rows [pid * ROWS, (pid + 1) * ROWS) of q (int16 units [*, k_units]) in BU-unit K steps."""
     r = tl.arange(0, ROWS)
     u = tl.arange(0, BU)
-    base = pid * ROWS * k_units
+    base = pid.to(tl.int64) * ROWS * k_units
     b = tl.full([BU, 16], 1.0, tl.float16)
     acc = tl.zeros([ROWS, 16], tl.float32)
     for k in range(0, k_units, BU):
@@ -53,27 +52,19 @@ def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, 
 
 
 @triton.jit
-def _read_rows(q_ptr, out_ptr, pid, k_units, ROWS: tl.constexpr, BU: tl.constexpr):
-    r = tl.arange(0, ROWS)
-    u = tl.arange(0, BU)
-    base = pid.to(tl.int64) * ROWS * k_units
-    b = tl.full([BU, 16], 1.0, tl.float16)
-    acc = tl.zeros([ROWS, 16], tl.float32)
-    for k in range(0, k_units, BU):
-        w = tl.load(q_ptr + base + r[:, None] * k_units + k + u[None, :]).to(tl.float16, bitcast=True)
-        acc = tl.dot(w, b, acc)
-    tl.store(out_ptr + pid * ROWS * 16 + r[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
+def _read_kernel(q_ptr, out_ptr, k_units, ROWS: tl.constexpr, BU: tl.constexpr, TILED: tl.constexpr):
+    _read_rows(q_ptr, out_ptr, tl.program_id(0), k_units, ROWS, BU, TILED)
 
 
 @triton.jit
 def _read_pair_kernel(q1_ptr, q2_ptr, out_ptr, n1, k1, k2, ROWS: tl.constexpr, BU: tl.constexpr):
-    """Programs [0, n1) read q1's rows as `_read_kernel` does, the rest q2's: both weight sets of a layer in
-    one launch, so that down's bytes stream while gate_up's do."""
+    """Programs [0, n1) read q1's rows as `_read_rows` does, programs n1 + p q2's rows of program p: both
+    weight sets of a layer in one launch, so that down's bytes stream while gate_up's do."""
     pid = tl.program_id(0)
     if pid < n1:
-        _read_rows(q1_ptr, out_ptr, pid, k1, ROWS, BU)
+        _read_rows(q1_ptr, out_ptr, pid, k1, ROWS, BU, False)
     else:
-        _read_rows(q2_ptr, out_ptr, pid, k2, ROWS, BU)
+        _read_rows(q2_ptr, out_ptr + n1 * ROWS * 16, pid - n1, k2, ROWS, BU, False)
 
 
 def _read_two(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, n1: int, n2: int, k1: int, k2: int,
