@@ -11,8 +11,9 @@ the kernels' instruction latency and the launch chain.
   kernels do (one dot per K step against a constant tile, so Triton pipelines the loads the same way), with
   rows `BLOCK_K/2` bytes apart as in the checkpoint ("rows") or with each program's K step stored as one
   contiguous tile ("tiled"), at the kernels' program count and at 2x / 4x more programs (split K);
-- `read:pair`: the T = 1 layer's gate_up and down bytes by two launches in a row and by one launch reading
-  both at once (how much the boundary between the two kernels costs the memory side).
+- `read:pair`: the T = 1 and T = 2 layers' gate_up and down bytes (each pair a distinct expert) by two
+  launches in a row and by one launch reading both at once (how much the boundary between the two kernels
+  costs the memory side).
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ def _read_two(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, n1: int, n2: 
 
 
 def read_pair_probe(timer: Timer, ceil: float) -> None:
-    """The T = 1 layers' gate_up and down bytes read by two launches in a row (the kernels' structure: down
+    """The T = 1 and T = 2 layers' gate_up and down bytes read by two launches in a row (the kernels' structure: down
     starts after gate_up) and by one launch doing both at once: the memory side's floor with and without
     the boundary between the two kernels."""
     dev = torch.device("cuda")
     rpp, bu = 32, 32
-    for name, experts, h, inter in (("122B T=1", 8, 3072, 1024), ("397B T=1", 10, 4096, 1024)):
+    shapes = [(f"{m} T={t}", t * k, h, 1024) for t in (1, 2) for m, k, h in (("122B", 8, 3072), ("397B", 10, 4096))]
+    for name, experts, h, inter in shapes:
         r1, k1, r2, k2 = experts * 2 * inter, h // 4, experts * h, inter // 4
         sets = [(torch.randint(-2**15, 2**15, (r1, k1), dtype=torch.int16, device=dev),
                  torch.randint(-2**15, 2**15, (r2, k2), dtype=torch.int16, device=dev)) for _ in range(LAYERS)]
