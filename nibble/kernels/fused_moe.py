@@ -53,12 +53,12 @@ from typing import Any
 import torch
 
 from nibble.formats.nvfp4 import NVFP4Tensor
-from nibble.kernels._triton import cdiv, dot_precision, interpreting, triton
+from nibble.kernels._triton import cdiv, interpreting, triton
 from nibble.kernels.fp4_tiles import F16_X_SHIFT, decode_mode, fp4_units, tile_for_dec
 from nibble.kernels.moe import MoEWeights
 from nibble.kernels.moe_align import moe_align, moe_align_split
-from nibble.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
-from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_kernel, moe_gate_up_gemv_kernel
+from nibble.kernels.moe_gemm import moe_reduce_kernel
+from nibble.kernels.moe_generic import generic_experts
 from nibble.kernels.moe_w4 import (
     PERM,
     QUAD,
@@ -121,9 +121,12 @@ def tuning_key(tokens: int, hidden: int, inter: int, num_experts: int, top_k: in
 
 
 def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
-                     *, path: str = "auto", config: dict[str, Any] | None = None) -> torch.Tensor:
+                     *, path: str = "auto", config: dict[str, Any] | None = None,
+                     staged_x: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe` with the path ('auto', 'gemv', 'sorted', 'generic_gemv', 'generic_sorted') and tuning
-    fields overridable (tests, benchmarks)."""
+    fields overridable (tests, benchmarks). staged_x: x as `stage_x` would stage it for this call (`x_staging`
+    says how, and whether it does), made by an earlier kernel, so that the chain has no staging launch (`gemv`
+    path only)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in ACT_DTYPES:
         raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32 with contiguous H, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -152,18 +155,60 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     tw = topk_weights.contiguous()
     key = tuning_key(t, h, inter, e, top_k, fp4, experts.routed_experts)
     generic = path.startswith("generic_") or not fp4
-    cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
+    path, cfg = _plan(key, generic, x.device, path, config)
+    if staged_x is not None and (generic or path != "gemv"):
+        raise ValueError(f"fused_moe: staged_x is for the NVFP4 gemv path only, this call takes {path!r}"
+                         f"{' (generic)' if generic else ''}")
+    if generic:
+        generic_experts(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path,
+                        cfg)
+    else:
+        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts,
+            staged_x)
+    return out
+
+
+def _plan(key: dict[str, Any], generic: bool, device: torch.device, path: str, config: dict[str, Any] | None
+          ) -> tuple[str, dict[str, Any]]:
+    """(path, tuning fields) of a call: the table's entry for `key` with `config` laid over it."""
+    cfg = lookup("fused_moe" if not generic else "fused_moe_dense", device, key)
     cfg.update(config or {})
     if path in ("auto", "generic_auto"):
         path = cfg["path"]
     path = path.removeprefix("generic_")
     if path not in ("gemv", "sorted"):
         raise ValueError(f"fused_moe: unknown path {path!r}")
-    if generic:
-        _generic(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg)
-    else:
-        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts)
-    return out
+    return path, cfg
+
+
+def x_staging(x: torch.Tensor, top_k: int, experts: MoEWeights, *, path: str = "auto",
+              config: dict[str, Any] | None = None) -> tuple[torch.dtype, int, bool] | None:
+    """How `fused_moe_launch(x, ..., path=path, config=config)` with top_k experts per token stages x on the
+    `gemv` path: (dtype, x_shift, pairs), the arguments of `stage_x` (permute off) that make its `staged_x`;
+    None where that call reads x as it is or takes another path."""
+    t, h = x.shape
+    e, inter = experts.num_experts, experts.intermediate_size
+    if not experts.is_nvfp4 or path.startswith("generic_"):
+        return None
+    path, cfg = _plan(tuning_key(t, h, inter, e, top_k, True, experts.routed_experts), False, x.device, path,
+                      config)
+    if path != "gemv":
+        return None
+    dec, adt, xsh = _act_format(x, cfg)
+    if adt == x.dtype:
+        return None
+    base = _tile(cfg, "", dec, h, inter)
+    xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
+    return adt, xsh, _pairs_dec(dec, xmode, True, h, inter, base["gbn"], cfg) == 4
+
+
+def _act_format(x: torch.Tensor, cfg: dict[str, Any]) -> tuple[int, torch.dtype, int]:
+    """(DEC, the kernels' activation dtype, its X_SHIFT) for activations x under tuning fields cfg."""
+    dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
+    # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
+    # the same way), the kernels' epilogues multiply the shift back
+    adt = torch.float16 if dec >= 3 else x.dtype
+    return dec, adt, F16_X_SHIFT if adt != x.dtype else 0
 
 
 def _counters(experts: MoEWeights, device: torch.device, n: int) -> torch.Tensor | None:
@@ -177,18 +222,15 @@ def _counters(experts: MoEWeights, device: torch.device, n: int) -> torch.Tensor
 
 
 def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int, top_k: int,
-        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any], experts: MoEWeights) -> None:
-    """NVFP4 experts through moe_w4.py (see the module docstring)."""
+        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any], experts: MoEWeights,
+        staged_x: torch.Tensor | None = None) -> None:
+    """NVFP4 experts through moe_w4.py (see the module docstring); staged_x: see `fused_moe_launch`."""
     t, h = x.shape
     q13, s13, g13, st13 = w13
     q2, s2, g2, st2 = w2
     u13, u2 = fp4_units(q13), fp4_units(q2)
     (sq13e, sq13n, _), (sq2e, sq2n, _) = u13.stride(), u2.stride()
-    dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
-    # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
-    # the same way), the kernels' epilogues multiply the shift back
-    adt = torch.float16 if dec >= 3 else x.dtype
-    xsh = F16_X_SHIFT if adt != x.dtype else 0
+    dec, adt, xsh = _act_format(x, cfg)
     # sm_90+: gate_up (after stage_x), down (after gate_up) and the reduce start early with PDL (tuning field
     # `pdl`, default on); `gu_prefetch` / `dn_prefetch` (default off: neutral to 10% slower on the H200) make
     # gate_up / down first pull their weight rows into L2 (pdl.py)
@@ -219,13 +261,19 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
         dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
-        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry) if staged else x
+        # `staging`: a stage_x launch heads the chain (else gate_up does, reading x or the caller's staged_x)
+        staging = staged and staged_x is None
+        if staged_x is not None:
+            _check_staged(staged_x, x, adt, staged)
+            xs = staged_x
+        else:
+            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry) if staged else x
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **pdl_launch(pdl and staged), **pdl_launch(entry and not staged, "PDL_WAIT_FIRST"),
+            **pdl_launch(pdl and staging), **pdl_launch(entry and not staging, "PDL_WAIT_FIRST"),
             **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -293,6 +341,14 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
 
 
+def _check_staged(staged_x: torch.Tensor, x: torch.Tensor, adt: torch.dtype, staged: bool) -> None:
+    if not staged:
+        raise ValueError("fused_moe: staged_x given, but this call reads x as it is (x_staging gives None)")
+    if staged_x.shape != x.shape or staged_x.dtype != adt or staged_x.stride(1) != 1 or staged_x.device != x.device:
+        raise ValueError(f"fused_moe: staged_x must be {adt} {tuple(x.shape)} with contiguous rows on {x.device}, "
+                         f"got {staged_x.dtype} {tuple(staged_x.shape)} on {staged_x.device}")
+
+
 def _xmode(cfg: dict[str, Any], prefix: str) -> int:
     name = cfg[f"{prefix}xmode"]
     if name not in XMODES:
@@ -347,53 +403,3 @@ def _tma_args(level: int, units: torch.Tensor, scales: torch.Tensor, rows: int, 
         return {}
     qd, sd = descs
     return {"q_desc": qd, "s_desc": sd, "TMA": 2} if level >= 2 and sd is not None else {"q_desc": qd, "TMA": 1}
-
-
-def _generic(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,
-             top_k: int, fp4: bool, w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
-    """Dense (or, on request, NVFP4) experts through the per-pair GEMV / grouped GEMM kernels."""
-    t, h = x.shape
-    q13, s13, g13, st13 = w13
-    q2, s2, g2, st2 = w2
-    prec = dot_precision(x.dtype)
-    if path == "gemv":
-        act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-        bn, bk = cfg["gemv_gu_block_n"], min(cfg["gemv_gu_block_k"], triton.next_power_of_2(h))
-        moe_gate_up_gemv_kernel[(t * top_k, cdiv(inter, bn))](
-            x, q13, s13, g13, act, ids, top_k, h, inter, x.stride(0), *st13, act.stride(0), W_FP4=fp4,
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["gemv_warps"])
-        bn, bk = cfg["gemv_dn_block_n"], min(cfg["gemv_dn_block_k"], triton.next_power_of_2(inter))
-        if not cfg["gemv_dn_pairs"]:
-            moe_down_gemv_kernel[(t, cdiv(h, bn))](
-                act, q2, s2, g2, out, ids, tw, h, inter, act.stride(0), *st2, out.stride(0), TOP_K=top_k,
-                W_FP4=fp4, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["gemv_warps"])
-            return
-        y = torch.empty((t * top_k, h), dtype=torch.float32, device=x.device)
-        moe_down_pair_gemv_kernel[(t * top_k, cdiv(h, bn))](
-            act, q2, s2, g2, y, ids, tw, h, inter, act.stride(0), *st2, y.stride(0), W_FP4=fp4, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=cfg["gemv_warps"])
-        moe_reduce_kernel[(t, cdiv(h, 1024))](y, out, ids, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024,
-                                              num_warps=4)
-        return
-    bm = cfg["block_m"]
-    chunk = max(1, min(t, cfg["chunk_pairs"] // top_k))
-    act = torch.empty((chunk * top_k, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((chunk * top_k, h), dtype=x.dtype, device=x.device)
-    for c0 in range(0, t, chunk):
-        c1 = min(t, c0 + chunk)
-        ids_c = ids[c0:c1]
-        al = moe_align(ids_c, e, bm)
-        grid_m = al.max_blocks
-        bn = cfg["gu_block_n"]
-        moe_gate_up_kernel[(grid_m, cdiv(inter, bn))](
-            x[c0:c1], q13, s13, g13, act, al.sorted_ids, al.block_expert, al.expert_start, al.expert_count,
-            top_k, h, inter, x.stride(0), *st13, act.stride(0), W_FP4=fp4, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=cfg["gu_block_k"], DOT_PREC=prec, num_warps=cfg["gu_warps"], num_stages=cfg["gu_stages"])
-        bn = cfg["dn_block_n"]
-        moe_down_kernel[(grid_m, cdiv(h, bn))](
-            act, q2, s2, g2, y, tw[c0:c1], al.sorted_ids, al.block_expert, al.expert_start, al.expert_count,
-            h, inter, act.stride(0), *st2, y.stride(0), W_FP4=fp4, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=cfg["dn_block_k"], DOT_PREC=prec, num_warps=cfg["dn_warps"], num_stages=cfg["dn_stages"])
-        block = 1024
-        moe_reduce_kernel[(c1 - c0, cdiv(h, block))](
-            y, out[c0:c1], ids_c, h, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
