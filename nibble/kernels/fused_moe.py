@@ -197,9 +197,8 @@ def x_staging(x: torch.Tensor, top_k: int, experts: MoEWeights, *, path: str = "
     dec, adt, xsh = _act_format(x, cfg)
     if adt == x.dtype:
         return None
-    base = _tile(cfg, "", dec, h, inter)
-    xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
-    return adt, xsh, _pairs_dec(dec, xmode, True, h, inter, base["gbn"], cfg) == 4
+    _, dec = _gemv_modes(_tile(cfg, "", dec, h, inter), dec, True, h, inter, cfg)
+    return adt, xsh, dec == 4
 
 
 def _act_format(x: torch.Tensor, cfg: dict[str, Any]) -> tuple[int, torch.dtype, int]:
@@ -258,16 +257,17 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw = {**base["glaunch"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = base["dlaunch"]
         flat = ids.view(-1)
-        xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
+        xmode, dec = _gemv_modes(base, dec, staged, h, inter, cfg)
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
-        dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
         # `staging`: a stage_x launch heads the chain (else gate_up does, reading x or the caller's staged_x)
         staging = staged and staged_x is None
         if staged_x is not None:
             _check_staged(staged_x, x, adt, staged)
             xs = staged_x
+        elif staging:
+            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry)
         else:
-            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry) if staged else x
+            xs = x
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
@@ -382,6 +382,15 @@ def _launch(warps: int, stages: int, maxnreg: int) -> dict[str, Any]:
     """A kernel's launch options; the register cap only where ptxas compiles (not under the interpreter)."""
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interpreting() else {}
     return {"num_warps": warps, "num_stages": stages, **cap}
+
+
+def _gemv_modes(base: dict[str, Any], dec: int, staged: bool, h: int, inter: int, cfg: dict[str, Any]
+                ) -> tuple[int, int]:
+    """(x mode, DEC) of the `gemv` path with tile `base` (`_tile`): perm needs a sort, so split instead; DEC 4
+    where `_pairs_dec` allows. `_w4` and `x_staging` both take them from here, so a caller's staged_x is in
+    the order gate_up reads."""
+    xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
+    return xmode, _pairs_dec(dec, xmode, staged, h, inter, base["gbn"], cfg)
 
 
 def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:
