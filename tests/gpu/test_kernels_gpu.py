@@ -667,6 +667,7 @@ def test_fused_moe_staged_x_matches_own_staging(t: int) -> None:
             pytest.skip("this GPU's decode reads bf16 activations as they are (no staging)")
         dtype, shift, pairs = spec
         own = fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg)
+        assert rel(own, fused_moe_ref(x.float(), w, ids, experts)) < TOL, cfg
         xs = stage_x(x, dtype, shift, permute=False, pairs=pairs)
         given = fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg, staged_x=xs)
         assert torch.equal(given, own), cfg
