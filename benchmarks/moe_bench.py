@@ -17,9 +17,6 @@ x and out); % is of the copy ceiling measured at start (read + write). Prefill a
 ||out - ref|| / ||ref|| against the fp32 reference on the same weights (bf16 activations: expect ~3e-3;
 > 2e-2 is flagged).
 Kernel compilation is done first, in parallel worker processes sharing Triton's cache.
-A variant's field `"staged_x": true` (`--variant pre='{"staged_x": true}'`) is the benchmark's, not a tuning field:
-x is staged once before the timing (`x_staging`, `stage_x`) and passed as `staged_x`, so the timed chain starts at
-gate_up, as it would behind a kernel that stages x for the MoE; an error where the call stages nothing.
 """
 
 from __future__ import annotations
@@ -43,10 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nibble.bench.gpu_timing import capture_graph, cold_ms, stream_us
 from nibble.bench.latency import measure_copy_bandwidth
 from nibble.formats.nvfp4 import NVFP4Tensor
-from nibble.kernels.fused_moe import fused_moe_launch, x_staging
+from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, topk_counters
 from nibble.kernels.moe_route import route
-from nibble.kernels.w4_stage import stage_x
 
 MAX_ERR = 2e-2  # relative error against the fp32 reference above which a variant is flagged BAD
 MODELS = {
@@ -232,8 +228,7 @@ def _compile_worker(job: tuple[str, int, str, dict]) -> tuple[str, float, str]:
         experts = random_experts(model, dev, torch.Generator(dev), empty=True)
         x = torch.zeros(t, m["hidden"], device=dev, dtype=torch.bfloat16)
         ids = torch.randint(0, m["experts"], (t, m["top_k"]), dtype=torch.int32, device=dev)
-        fused_moe_launch(x, torch.rand(t, m["top_k"], device=dev), ids, experts,
-                         **launch_args(x, m["top_k"], experts, path, cfg))
+        fused_moe_launch(x, torch.rand(t, m["top_k"], device=dev), ids, experts, path=path, config=cfg)
         torch.cuda.synchronize()
         return f"{model} T={t} {path} {cfg}", time.perf_counter() - t0, ""
     except Exception as ex:  # reported, the main loop records the failure again
@@ -309,13 +304,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec: dict[str, Any] = {"model": model, "T": t, "variant": name, "path": path, "config": cfg,
                                        "experts_hit": hit}
                 try:
-                    kw = launch_args(x, k, layers[0], path, cfg)
-                    out = fused_moe_launch(x, w, ids, layers[0], **kw)
+                    out = fused_moe_launch(x, w, ids, layers[0], path=path, config=cfg)
                     torch.cuda.synchronize()
                     diff, den = (out.float() - ref).norm(), ref.norm()
                     # an expert-parallel rank may hold none of a small batch's experts: then out must be 0 too
                     rec["err"] = float(diff / den) if den > 0 else float(diff)
-                    fns = [partial(fused_moe_launch, x, w, ids, lw, **kw) for lw in layers]
+                    fns = [partial(fused_moe_launch, x, w, ids, lw, path=path, config=cfg) for lw in layers]
                     rec["cold_us"] = timer.cold_us(fns[0])
                     rec["stream_us"] = timer.stream_us(fns)
                     best = min(rec["cold_us"], rec["stream_us"])
@@ -336,19 +330,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     log.flush()
     return {"device": torch.cuda.get_device_name(), "copy_tbps": ceil, "gemm_tflops": args.gemm_tflops,
             "records": records}
-
-
-def launch_args(x: torch.Tensor, top_k: int, experts: MoEWeights, path: str, cfg: dict) -> dict[str, Any]:
-    """`fused_moe_launch` keywords of a variant: its path and tuning fields, and with the benchmark's field
-    `staged_x` (module docstring) x staged ahead of the timing."""
-    cfg = dict(cfg)
-    if not cfg.pop("staged_x", False):
-        return {"path": path, "config": cfg}
-    spec = x_staging(x, top_k, experts, path=path, config=cfg)
-    if spec is None:
-        raise ValueError("staged_x: this call reads x as it is (no staging to take out of the chain)")
-    dtype, shift, pairs = spec
-    return {"path": path, "config": cfg, "staged_x": stage_x(x, dtype, shift, permute=False, pairs=pairs)}
 
 
 def kernel_times(fn, reps: int = 10) -> dict[str, float]:

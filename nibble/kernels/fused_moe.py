@@ -121,12 +121,9 @@ def tuning_key(tokens: int, hidden: int, inter: int, num_experts: int, top_k: in
 
 
 def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
-                     *, path: str = "auto", config: dict[str, Any] | None = None,
-                     staged_x: torch.Tensor | None = None) -> torch.Tensor:
+                     *, path: str = "auto", config: dict[str, Any] | None = None) -> torch.Tensor:
     """`fused_moe` with the path ('auto', 'gemv', 'sorted', 'generic_gemv', 'generic_sorted') and tuning
-    fields overridable (tests, benchmarks). staged_x: x as `stage_x` would stage it for this call (`x_staging`
-    says how, and whether it does), made by an earlier kernel, so that the chain has no staging launch (`gemv`
-    path only)."""
+    fields overridable (tests, benchmarks)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in ACT_DTYPES:
         raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32 with contiguous H, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -156,15 +153,11 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     key = tuning_key(t, h, inter, e, top_k, fp4, experts.routed_experts)
     generic = path.startswith("generic_") or not fp4
     path, cfg = _plan(key, generic, x.device, path, config)
-    if staged_x is not None and (generic or path != "gemv"):
-        raise ValueError(f"fused_moe: staged_x is for the NVFP4 gemv path only, this call takes {path!r}"
-                         f"{' (generic)' if generic else ''}")
     if generic:
         generic_experts(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path,
                         cfg)
     else:
-        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts,
-            staged_x)
+        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts)
     return out
 
 
@@ -179,26 +172,6 @@ def _plan(key: dict[str, Any], generic: bool, device: torch.device, path: str, c
     if path not in ("gemv", "sorted"):
         raise ValueError(f"fused_moe: unknown path {path!r}")
     return path, cfg
-
-
-def x_staging(x: torch.Tensor, top_k: int, experts: MoEWeights, *, path: str = "auto",
-              config: dict[str, Any] | None = None) -> tuple[torch.dtype, int, bool] | None:
-    """How `fused_moe_launch(x, ..., path=path, config=config)` with top_k experts per token stages x on the
-    `gemv` path: (dtype, x_shift, pairs), the arguments of `stage_x` (permute off) that make its `staged_x`;
-    None where that call reads x as it is or takes another path."""
-    t, h = x.shape
-    e, inter = experts.num_experts, experts.intermediate_size
-    if not experts.is_nvfp4 or path.startswith("generic_"):
-        return None
-    path, cfg = _plan(tuning_key(t, h, inter, e, top_k, True, experts.routed_experts), False, x.device, path,
-                      config)
-    if path != "gemv":
-        return None
-    dec, adt, xsh = _act_format(x, cfg)
-    if adt == x.dtype:
-        return None
-    _, dec = _gemv_modes(_tile(cfg, "", dec, h, inter), dec, True, h, inter, cfg)
-    return adt, xsh, dec == 4
 
 
 def _act_format(x: torch.Tensor, cfg: dict[str, Any]) -> tuple[int, torch.dtype, int]:
@@ -221,9 +194,8 @@ def _counters(experts: MoEWeights, device: torch.device, n: int) -> torch.Tensor
 
 
 def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int, top_k: int,
-        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any], experts: MoEWeights,
-        staged_x: torch.Tensor | None = None) -> None:
-    """NVFP4 experts through moe_w4.py (see the module docstring); staged_x: see `fused_moe_launch`."""
+        w13: tuple, w2: tuple, path: str, cfg: dict[str, Any], experts: MoEWeights) -> None:
+    """NVFP4 experts through moe_w4.py (see the module docstring)."""
     t, h = x.shape
     q13, s13, g13, st13 = w13
     q2, s2, g2, st2 = w2
@@ -257,23 +229,17 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
         gkw = {**base["glaunch"], "PREFETCH": gu_pf, "PDL_TRIGGER": pdl}
         dkw = base["dlaunch"]
         flat = ids.view(-1)
-        xmode, dec = _gemv_modes(base, dec, staged, h, inter, cfg)
+        xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
         slots = min(max(int(cfg["block_t"]), 1), 4) if xmode == QUAD else 16
-        # `staging`: a stage_x launch heads the chain (else gate_up does, reading x or the caller's staged_x)
-        staging = staged and staged_x is None
-        if staged_x is not None:
-            _check_staged(staged_x, x, adt, staged)
-            xs = staged_x
-        elif staging:
-            xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry)
-        else:
-            xs = x
+        dec = _pairs_dec(dec, xmode, staged, h, inter, gbn, cfg)
+        # `staged`: a stage_x launch heads the chain (else gate_up does, reading x as it is)
+        xs = stage_x(x, adt, xsh, permute=False, pdl_trigger=pdl, pairs=dec == 4, pdl_wait=entry) if staged else x
         act = torch.empty((t * top_k, inter), dtype=adt, device=x.device)
         moe_w4_gate_up_kernel[(t * top_k, cdiv(inter, gbn))](
             xs, u13, s13, g13, act, flat, flat, flat, top_k, h, inter, xs.stride(0), sq13e, sq13n,
             st13[2], st13[3], act.stride(0), SORTED=False, XMODE=xmode, ACT_PERM=False, ACT_PAIRS=dec == 4,
             DEC=dec, EVEN_K=h % gbk == 0, SLOTS=slots, BLOCK_N=gbn, BLOCK_K=gbk, X_SHIFT=xsh, **gkw,
-            **pdl_launch(pdl and staging), **pdl_launch(entry and not staging, "PDL_WAIT_FIRST"),
+            **pdl_launch(pdl and staged), **pdl_launch(entry and not staged, "PDL_WAIT_FIRST"),
             **_tma_args(base["gtma"], u13, s13, gbn, gbk, True))
         if mode == "token":
             moe_w4_down_token_kernel[(t, cdiv(h, dbn))](
@@ -341,14 +307,6 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                                                     TOP_K=top_k, BLOCK=1024, num_warps=4, **rkw)
 
 
-def _check_staged(staged_x: torch.Tensor, x: torch.Tensor, adt: torch.dtype, staged: bool) -> None:
-    if not staged:
-        raise ValueError("fused_moe: staged_x given, but this call reads x as it is (x_staging gives None)")
-    if staged_x.shape != x.shape or staged_x.dtype != adt or staged_x.stride(1) != 1 or staged_x.device != x.device:
-        raise ValueError(f"fused_moe: staged_x must be {adt} {tuple(x.shape)} with contiguous rows on {x.device}, "
-                         f"got {staged_x.dtype} {tuple(staged_x.shape)} on {staged_x.device}")
-
-
 def _xmode(cfg: dict[str, Any], prefix: str) -> int:
     name = cfg[f"{prefix}xmode"]
     if name not in XMODES:
@@ -382,15 +340,6 @@ def _launch(warps: int, stages: int, maxnreg: int) -> dict[str, Any]:
     """A kernel's launch options; the register cap only where ptxas compiles (not under the interpreter)."""
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interpreting() else {}
     return {"num_warps": warps, "num_stages": stages, **cap}
-
-
-def _gemv_modes(base: dict[str, Any], dec: int, staged: bool, h: int, inter: int, cfg: dict[str, Any]
-                ) -> tuple[int, int]:
-    """(x mode, DEC) of the `gemv` path with tile `base` (`_tile`): perm needs a sort, so split instead; DEC 4
-    where `_pairs_dec` allows. `_w4` and `x_staging` both take them from here, so a caller's staged_x is in
-    the order gate_up reads."""
-    xmode = SPLIT if base["xmode"] == PERM else base["xmode"]
-    return xmode, _pairs_dec(dec, xmode, staged, h, inter, base["gbn"], cfg)
 
 
 def _pairs_dec(dec: int, xmode: int, staged: bool, h: int, inter: int, block_n: int, cfg: dict[str, Any]) -> int:

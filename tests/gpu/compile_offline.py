@@ -212,14 +212,6 @@ def main() -> int:
                                     torch.randn(t, eh, dtype=dt), torch.rand(t, ek),
                                     torch.zeros(t, ek, dtype=torch.int32), experts, path=path,
                                     config={**cfg, **mode, **dec})
-        if cc >= 89:  # x staged by the caller (`staged_x`): gate_up heads the chain with fp16 activations
-            for mode in ({"dec": 3}, {"dec": 3, "pdl_entry": True}, {"dec": 3, "dn_mode": "reduce", "pdl_entry": True}):
-                x = torch.randn(2, w4.hidden_size, dtype=bf)
-                spec = fm.x_staging(x, k, w4, path="gemv", config=mode)
-                if spec is not None:
-                    attempt(f"fused_moe staged_x {mode}", fm.fused_moe_launch, x, torch.rand(2, k),
-                            torch.zeros(2, k, dtype=torch.int32), w4, path="gemv", config=mode,
-                            staged_x=torch.empty(x.shape, dtype=spec[0]))
         w = zero_nvfp4(4096, 3072)
         for cfg in configs("nvfp4_linear"):
             for t, extra in ((1, {}), (1, {"split_k": 3}), (100, {}), (2048, {})):

@@ -35,7 +35,7 @@ from nibble.kernels.conv1d import (  # noqa: E402
     causal_conv1d_spec,
     causal_conv1d_spec_ref,
 )
-from nibble.kernels.fused_moe import fused_moe_launch, x_staging  # noqa: E402
+from nibble.kernels.fused_moe import fused_moe_launch  # noqa: E402
 from nibble.kernels.gated_delta import (  # noqa: E402
     FLA_CHUNK,
     fla_chunk_indices,
@@ -65,7 +65,6 @@ from nibble.kernels.nvfp4_linear import nvfp4_linear_launch, nvfp4_linear_ref  #
 from nibble.kernels.pdl import pdl_supported  # noqa: E402
 from nibble.kernels.rope import build_cos_sin_cache, rope, rope_ref  # noqa: E402
 from nibble.kernels.selftest_harness import SelfTestContext, poison  # noqa: E402
-from nibble.kernels.w4_stage import stage_x  # noqa: E402
 from nibble.models.config import ModelConfig  # noqa: E402
 from nibble.models.quant_config import QuantConfig  # noqa: E402
 from tests.helpers.moe_align_check import assert_alignment_matches  # noqa: E402
@@ -648,33 +647,6 @@ def test_moe_pdl_entry_behind_route(t: int, monkeypatch: pytest.MonkeyPatch) -> 
         for i, p in enumerate(plain):
             assert torch.equal(eager[i], p), (cfg, i, "eager")
             assert torch.equal(outs[i], p), (cfg, i, "graph")
-
-
-@pytest.mark.parametrize("t", [1, 2, 4])
-def test_fused_moe_staged_x_matches_own_staging(t: int) -> None:
-    """x staged by the caller (`x_staging`'s spec through `stage_x`, as a kernel ahead of the MoE would) and
-    passed as staged_x: the chain then has no staging launch, and its outputs equal those of the call that
-    stages x itself bitwise, with and without `pdl_entry`, eagerly and from a CUDA graph."""
-    c = config("397B")
-    h, inter, k, e = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.num_experts
-    experts = MoEWeights(random_nvfp4(e, 2 * inter, h), random_nvfp4(e, h, inter), topk_counters(h, DEV))
-    x = torch.randn(t, h, device=DEV, dtype=BF16)
-    w, ids = route(torch.randn(t, e, device=DEV), k)
-    for cfg in ({"cvt_decode": True}, {"cvt_decode": True, "pdl_entry": True},
-                {"cvt_decode": True, "dn_mode": "reduce", "pdl_entry": True}):
-        spec = x_staging(x, k, experts, path="gemv", config=cfg)
-        if spec is None:
-            pytest.skip("this GPU's decode reads bf16 activations as they are (no staging)")
-        dtype, shift, pairs = spec
-        own = fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg)
-        assert rel(own, fused_moe_ref(x.float(), w, ids, experts)) < TOL, cfg
-        xs = stage_x(x, dtype, shift, permute=False, pairs=pairs)
-        given = fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg, staged_x=xs)
-        assert torch.equal(given, own), cfg
-        graph = _replayed([partial(fused_moe_launch, x, w, ids, experts, path="gemv", config=cfg, staged_x=xs)])
-        assert torch.equal(graph[0], own), (cfg, "graph")
-    with pytest.raises(ValueError, match="staged_x must be"):
-        fused_moe_launch(x, w, ids, experts, path="gemv", config=cfg, staged_x=xs.to(BF16))
 
 
 @pytest.mark.parametrize("name", ["122B", "397B"])

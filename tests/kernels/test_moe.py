@@ -9,7 +9,7 @@ import torch
 from kernel_testing import poisoned, random_nvfp4, rel_err
 
 from nibble.kernels.fp4_tiles import fp4_units
-from nibble.kernels.fused_moe import fused_moe_launch, x_staging
+from nibble.kernels.fused_moe import fused_moe_launch
 from nibble.kernels.moe import MoEWeights, fused_moe_ref, route_ref, topk_counters
 from nibble.kernels.moe_align import moe_align, moe_align_ref, moe_align_split
 from nibble.kernels.moe_route import route
@@ -270,22 +270,6 @@ def test_fused_moe_rejects_bad_shapes() -> None:
     args = (torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32), experts)
     with pytest.raises(ValueError, match="xmode 'quads' is not one of"):
         fused_moe_launch(*args, path="gemv", config={"xmode": "quads"})
-
-
-def test_fused_moe_staged_x_only_where_the_call_stages() -> None:
-    """`x_staging` says None where a call reads x as it is (here: the interpreter's plain decode, and the
-    sorted and generic paths), and staged_x is then refused with a message instead of being read as x. The
-    staged path itself (the e4m3-converter decode, inline PTX) is compared on the GPU
-    (test_fused_moe_staged_x_matches_own_staging)."""
-    x, w, ids = torch.randn(2, H), torch.ones(2, K), torch.zeros(2, K, dtype=torch.int32)
-    for fp4, path in ((True, "gemv"), (True, "sorted"), (True, "generic_gemv"), (False, "gemv")):
-        assert x_staging(x, K, _experts(fp4), path=path) is None, (fp4, path)
-    with pytest.raises(ValueError, match="reads x as it is"):
-        fused_moe_launch(x, w, ids, _experts(True), path="gemv", staged_x=x.clone())
-    with pytest.raises(ValueError, match="gemv path only, this call takes 'sorted'"):
-        fused_moe_launch(x, w, ids, _experts(True), path="sorted", staged_x=x.clone())
-    with pytest.raises(ValueError, match=r"gemv path only, this call takes 'gemv' \(generic\)"):
-        fused_moe_launch(x, w, ids, _experts(False), path="gemv", staged_x=x.clone())
 
 
 @pytest.mark.parametrize("order", ["natural", "permute", "pairs"])
