@@ -487,6 +487,27 @@ stage_pdlentrye2e() {  # $TABLE_MODEL (default 35B) decode steps without, with, 
   decode_latency pdlentrye2e_off2 170 "$model"
   rm -rf nibble/kernels/tuning && cp -r /tmp/tuning_saved nibble/kernels/tuning
 }
+entry_set() {  # lay $ENTRY_SET (JSON fields) over the config of entry $ENTRY_INDEX of this GPU's fused_moe table
+  python3 -c "
+import json, sys
+path, i, fields = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+d = json.load(open(path))
+d['fused_moe'][i]['config'].update(fields)
+open(path, 'w').write(json.dumps(d, indent=1) + '\\n')
+print('entry', i, d['fused_moe'][i]['when'], '->', d['fused_moe'][i]['config'])" "$TABLE" "$ENTRY_INDEX" "$ENTRY_SET"
+}
+stage_entrye2e() {  # $TABLE_MODEL (default 35B) decode steps with this GPU's table, then with $ENTRY_SET laid over
+  # its fused_moe entry $ENTRY_INDEX, twice in turn (the decode steps chain the router before the MoE, as
+  # moe_bench's `with_route` variants do)
+  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4}
+  table_save
+  for round in 1 2; do
+    decode_latency "entrye2e_table$round" 170 "$model"
+    entry_set >> "$SUMMARY"
+    decode_latency "entrye2e_set$round" 170 "$model"
+    table_restore
+  done
+}
 stage_aligntests() {
   NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
 }
