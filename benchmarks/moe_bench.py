@@ -312,8 +312,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     fields, with_route = moe_fields(cfg)
                     if with_route and m["routed"] != e:
                         raise ValueError("with_route: this rank holds only some of the router's experts")
-                    fns = [partial(routed_moe if with_route else fused_moe_launch, x, logits if with_route else w,
-                                   k if with_route else ids, lw, path=path, config=fields) for lw in layers]
+                    if with_route:
+                        fns = [partial(routed_moe, x, logits, k, lw, path=path, config=fields) for lw in layers]
+                    else:
+                        fns = [partial(fused_moe_launch, x, w, ids, lw, path=path, config=fields) for lw in layers]
                     out = fns[0]()
                     torch.cuda.synchronize()
                     diff, den = (out.float() - ref).norm(), ref.norm()

@@ -152,35 +152,19 @@ def fused_moe_launch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     tw = topk_weights.contiguous()
     key = tuning_key(t, h, inter, e, top_k, fp4, experts.routed_experts)
     generic = path.startswith("generic_") or not fp4
-    path, cfg = _plan(key, generic, x.device, path, config)
-    if generic:
-        generic_experts(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path,
-                        cfg)
-    else:
-        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts)
-    return out
-
-
-def _plan(key: dict[str, Any], generic: bool, device: torch.device, path: str, config: dict[str, Any] | None
-          ) -> tuple[str, dict[str, Any]]:
-    """(path, tuning fields) of a call: the table's entry for `key` with `config` laid over it."""
-    cfg = lookup("fused_moe" if not generic else "fused_moe_dense", device, key)
+    cfg = lookup("fused_moe" if not generic else "fused_moe_dense", x.device, key)
     cfg.update(config or {})
     if path in ("auto", "generic_auto"):
         path = cfg["path"]
     path = path.removeprefix("generic_")
     if path not in ("gemv", "sorted"):
         raise ValueError(f"fused_moe: unknown path {path!r}")
-    return path, cfg
-
-
-def _act_format(x: torch.Tensor, cfg: dict[str, Any]) -> tuple[int, torch.dtype, int]:
-    """(DEC, the kernels' activation dtype, its X_SHIFT) for activations x under tuning fields cfg."""
-    dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
-    # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
-    # the same way), the kernels' epilogues multiply the shift back
-    adt = torch.float16 if dec >= 3 else x.dtype
-    return dec, adt, F16_X_SHIFT if adt != x.dtype else 0
+    if generic:
+        generic_experts(x, tw, ids, out, e, inter, top_k, fp4, (q13, s13, g13, st13), (q2, s2, g2, st2), path,
+                        cfg)
+    else:
+        _w4(x, tw, ids, out, e, inter, top_k, (q13, s13, g13, st13), (q2, s2, g2, st2), path, cfg, experts)
+    return out
 
 
 def _counters(experts: MoEWeights, device: torch.device, n: int) -> torch.Tensor | None:
@@ -201,7 +185,11 @@ def _w4(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     q2, s2, g2, st2 = w2
     u13, u2 = fp4_units(q13), fp4_units(q2)
     (sq13e, sq13n, _), (sq2e, sq2n, _) = u13.stride(), u2.stride()
-    dec, adt, xsh = _act_format(x, cfg)
+    dec = cfg.get("dec", decode_mode(x.dtype, x.device if cfg.get("cvt_decode", True) else None))
+    # DEC 3 multiplies in fp16: bf16 activations are staged as fp16 * 2^-F16_X_SHIFT (gate_up writes act
+    # the same way), the kernels' epilogues multiply the shift back
+    adt = torch.float16 if dec >= 3 else x.dtype
+    xsh = F16_X_SHIFT if adt != x.dtype else 0
     # sm_90+: gate_up (after stage_x), down (after gate_up) and the reduce start early with PDL (tuning field
     # `pdl`, default on); `gu_prefetch` / `dn_prefetch` (default off: neutral to 10% slower on the H200) make
     # gate_up / down first pull their weight rows into L2 (pdl.py)

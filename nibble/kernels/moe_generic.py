@@ -15,7 +15,7 @@ from nibble.kernels.moe_gemv import moe_down_gemv_kernel, moe_down_pair_gemv_ker
 
 
 def generic_experts(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, e: int, inter: int,
-             top_k: int, fp4: bool, w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
+                    top_k: int, fp4: bool, w13: tuple, w2: tuple, path: str, cfg: dict[str, Any]) -> None:
     """Dense (or, on request, NVFP4) experts through the per-pair GEMV / grouped GEMM kernels, for
     `fused_moe_launch` (which checked the arguments): x [T, H], tw fp32 [T, k], ids int32 [T, k] -> out [T, H];
     w13 / w2: (values, block scales, global scales, strides) of `fused_moe._weight_args`; path 'gemv' or
