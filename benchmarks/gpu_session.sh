@@ -508,6 +508,15 @@ stage_entrye2e() {  # $TABLE_MODEL (default 35B) decode steps with this GPU's ta
     table_restore
   done
 }
+stage_routebound() {  # $TABLE_MODEL (default 35B) decode steps as they are, then with the router's kernel left out of
+  # the captured graphs (benchmarks/route_bound.py: the bound on what fusing the router away can gain), twice in turn
+  local model=${TABLE_MODEL:-Qwen3.5-35B-A3B-NVFP4}
+  for round in 1 2; do
+    decode_latency "routebound_route$round" 170 "$model"
+    run "routebound_none$round" 170 python3 benchmarks/route_bound.py --model "$M/$model" --load-format dummy \
+      --batch-sizes 1,4,8 --input-len 1024 --output-len 64 --max-num-seqs 8 --output-json "$OUT/routebound_none$round.json"
+  done
+}
 stage_aligntests() {
   NIBBLE_TEST_GPU=1 run "aligntests${ALIGN_TAG:-}" 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k align -p no:cacheprovider -rf
 }
