@@ -219,8 +219,9 @@ def _validate_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
             # OpenAI clients send arguments as a JSON string; templates iterate over them as a mapping.
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ChatTemplateError(f"{loc}.function.arguments: not valid JSON ({exc.msg})") from exc
+            except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
+                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise ChatTemplateError(f"{loc}.function.arguments: not valid JSON ({msg})") from exc
         if not isinstance(arguments, dict):
             raise ChatTemplateError(f"{loc}.function.arguments: must be a JSON object")
         function["arguments"] = arguments

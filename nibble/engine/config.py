@@ -41,7 +41,7 @@ def parse_speculative_config(text: str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(text, str):
         try:
             spec = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
             raise EngineConfigError(f"--speculative-config is not valid JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise EngineConfigError("--speculative-config must be a JSON object")

@@ -30,7 +30,7 @@ def parse_structural_tag(spec: str | dict[str, Any]) -> list[tuple[str, str, Any
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
             raise StructuralTagError(f"not valid JSON ({exc})") from None
     if not isinstance(spec, dict):
         raise StructuralTagError(f"must be a JSON object, got {type(spec).__name__}")

@@ -111,7 +111,7 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
                 raise StructuredOutputError(f"json: the schema is not valid JSON ({exc})") from None
         if not isinstance(schema, (dict, bool)):
             raise StructuredOutputError(f"json: a schema must be a JSON object, got {type(schema).__name__}")

@@ -177,7 +177,15 @@ def build_app(engine: AsyncEngine, api_key: str | None = None, served_model_name
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_json(APIError(400, f"invalid request: {exc.errors()}"))
+        # FastAPI's own parameters (query and path); request bodies are read and checked by the handlers
+        messages, param = [], None
+        for err in exc.errors():
+            name = ".".join(str(p) for p in err.get("loc", ())[1:])
+            param = param or name or None
+            given = err.get("input")
+            got = f" (got {given!r})" if isinstance(given, (str, int, float)) and len(repr(given)) <= 40 else ""
+            messages.append(f"{name}: {err.get('msg', 'invalid value')}{got}" if name else str(err.get("msg")))
+        return error_json(error_class(request)(400, "; ".join(messages) or "invalid request", param=param))
 
 
     @app.get("/health")

@@ -11,6 +11,7 @@ whose message names the line. Blank lines are not requests and get no output lin
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ def _parse_line(number: int, raw: bytes) -> BatchRequest | BatchLineError:
         return error("invalid_json", f"the line is not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
         return error("invalid_json", "the line is nested too deeply")
+    except ValueError:
+        return error("invalid_json", f"the line holds an integer of more than {sys.get_int_max_str_digits()} digits")
     if not isinstance(obj, dict):
         return error("invalid_request", f"a request line must be a JSON object, got {type(obj).__name__}")
     custom_id = obj.get("custom_id")

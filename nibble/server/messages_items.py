@@ -33,14 +33,13 @@ class BlockError(ValueError):
 # end the prompt's cached prefix at its first tokens. It means nothing to the model, so it is dropped.
 BILLING_HEADER = "x-anthropic-billing-header:"
 
-_TEXT_ONLY = "not supported (text and image blocks are)"
 # Blocks that carry media, or the results of Anthropic's server tools, which nibble does not run.
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 
 
-def _unsupported_block(kind: Any, where: str) -> BlockError:
+def _unsupported_block(kind: Any, where: str, accepted: str = "text and image") -> BlockError:
     if kind in _MEDIA_BLOCKS:
-        return BlockError(f"{where}.type", f"{kind!r} blocks are not supported; {_TEXT_ONLY}")
+        return BlockError(f"{where}.type", f"{kind!r} blocks are not supported here; only {accepted} blocks are")
     return BlockError(f"{where}.type", f"block type {kind!r} is not supported here")
 
 
@@ -56,7 +55,7 @@ def _text_blocks(content: Any, where: str) -> list[str]:
         if not isinstance(block, dict):
             raise BlockError(loc, "must be an object like {'type': 'text', 'text': ...}")
         if block.get("type") != "text":
-            raise _unsupported_block(block.get("type"), loc)
+            raise _unsupported_block(block.get("type"), loc, "text")
         if not isinstance(block.get("text"), str):
             raise BlockError(f"{loc}.text", "must be a string")
         texts.append(block["text"])
@@ -146,7 +145,7 @@ class _Conversation:
             elif kind == "tool_result":
                 raise BlockError(f"{loc}.type", "'tool_result' blocks belong in user messages")
             else:
-                raise _unsupported_block(kind, loc)
+                raise _unsupported_block(kind, loc, "text, thinking and tool_use")
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:

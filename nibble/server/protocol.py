@@ -58,10 +58,14 @@ MAX_CHOICES = 64
 
 
 def no_reserved_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Validator of `chat_template_kwargs`: the keys that have request fields of their own are refused."""
+    """Validator of `chat_template_kwargs`: the keys that have request fields of their own are refused, and
+    so is an `enable_thinking` other than true, false or null (the template would take "false" or 0 for on)."""
     for key in _RESERVED_TEMPLATE_KWARGS:
         if v and key in v:
             raise ValueError(f"{key!r} cannot be set here; use the request field of that name")
+    thinking = (v or {}).get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ValueError(f"enable_thinking must be true or false, got {thinking!r}")
     return v
 
 
@@ -126,7 +130,7 @@ class SharedSamplingFields(_Request):
     @classmethod
     def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
+            if not key.strip().isdecimal():
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")

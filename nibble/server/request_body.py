@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar, get_args
 
@@ -66,6 +67,9 @@ async def read_json_body(request: Request, limit: int | None = None) -> dict[str
                           f"column {exc.colno})") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+    except ValueError:
+        raise bad_request(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                          "digits") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):

@@ -13,6 +13,7 @@ the offending item, e.g. `input[2].content[0].type`.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from nibble.server.protocol import ChatMessage
@@ -117,6 +118,8 @@ def _call_arguments(item: dict[str, Any], where: str) -> str:
         parsed = json.loads(arguments)
     except json.JSONDecodeError as exc:
         problem = f"not valid JSON ({exc.msg})"
+    except ValueError:
+        problem = f"holds an integer of more than {sys.get_int_max_str_digits()} digits"
     else:
         if isinstance(parsed, dict):
             return arguments

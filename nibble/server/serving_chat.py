@@ -39,7 +39,7 @@ from nibble.server.serving_base import (
     wait_unless_disconnected,
 )
 from nibble.server.sse import DONE_EVENT, EventStreamResponse, sse_event
-from nibble.server.tool_grammar import tool_call_grammar
+from nibble.server.tool_grammar import ToolSchemaError, tool_call_grammar
 from nibble.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START
 
 CHAT_UNSUPPORTED_FIELDS = {
@@ -99,6 +99,8 @@ class ChatServing(OpenAIServing):
         tags = {t: i for t in (TOOL_CALL_START, TOOL_CALL_END) if (i := self.tokenizer.token_to_id(t)) is not None}
         try:
             return tool_call_grammar(req.tools, name, req.parallel_tool_calls is not False, tags)
+        except ToolSchemaError as exc:
+            raise bad_request(str(exc), param="tools") from None
         except ValueError as exc:
             raise bad_request(f"tool_choice: {exc}", param="tool_choice") from None
 

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from nibble.engine.request import RequestOutput
 from nibble.server.engine_streams import EngineJob, EngineStreams
-from nibble.server.errors import APIError, ClientDisconnected
+from nibble.server.errors import APIError, ClientDisconnected, bad_request
 from nibble.server.logprobs import (
     completion_logprobs,
     join_logprobs,
@@ -64,6 +64,15 @@ class CompletionServing(OpenAIServing):
             cut.append(len(kept) < len(tokens))
         return ids, cut
 
+    def _check_choice_count(self, req: CompletionRequest) -> None:
+        """400 when the prompts times n make more engine requests than the engine lets wait: such a request could
+        never be admitted whole, and submitting each of them would hold the event loop for a long time."""
+        limit = self.core.config.max_waiting_requests
+        count = len(req.prompts) * req.n
+        if count > limit:
+            raise bad_request(f"prompt: {len(req.prompts)} prompts with n={req.n} ask for {count} completions; at most "
+                              f"{limit} per request (the server's --max-waiting-requests)", param="prompt")
+
     def _max_tokens(self, req: CompletionRequest, num_prompt_tokens: int) -> int:
         room = self.max_model_len - num_prompt_tokens
         if req.max_tokens is not None:
@@ -83,6 +92,7 @@ class CompletionServing(OpenAIServing):
             req = self.usage_default(parse_model(CompletionRequest, body, "/v1/completions", request_id,
                                                  UNSUPPORTED_FIELDS))
             self.check_model(req.model)
+            self._check_choice_count(req)
             prompt_ids, cut = await asyncio.to_thread(self._prompt_ids, req)
             structured = await self.structured_outputs(req)
             jobs = []

@@ -63,10 +63,18 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if "type" in schema else {**schema, "type": schema_types(schema)}
 
 
+class ToolSchemaError(ValueError):
+    """A tool's parameter schema that no grammar can follow; the message names the tool."""
+
+
 def _function_rules(i: int, function: dict[str, Any]) -> list[str]:
     params = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = set(params.get("required") or [])
+    names = params.get("required") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ToolSchemaError(f"tools: function {function['name']!r}: parameters.required must be a list of "
+                              f"property names, got {names!r:.100}")
+    required = set(names)
     rules: list[str] = []
     body: list[str] = [_lit(f"{FUNCTION_PREFIX}{function['name']}>\n")]
     for j, (name, schema) in enumerate(props.items()):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-# Union-typed fields produce one pydantic error per union member; these say what the field accepts.
+# Union-typed fields produce one pydantic error per union member (its name second in the location); these say
+# what the field accepts. Another model's field of the same name and another type keeps pydantic's message.
 _FIELD_EXPECTS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
@@ -45,7 +46,8 @@ def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
             msg = msg[len("Value error, ") :]
         if err.get("type") == "missing":
             text = f"{_loc_text(loc)}: field required"
-        elif field in _FIELD_EXPECTS and err.get("type") not in ("value_error",):
+        elif field in _FIELD_EXPECTS and err.get("type") not in ("value_error",) and len(loc) > 1 \
+                and isinstance(loc[1], str):
             text = f"{field}: must be {_FIELD_EXPECTS[field]}"
         else:
             # Union members add type names to the location (e.g. 'str', 'list[int]'); they only confuse.
